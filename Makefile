@@ -1,0 +1,40 @@
+# The two set-up commands on a fresh machine: `make serve` and `make test`.
+# Both create .venv and install the project into it; nothing else is assumed.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: serve test lint install goldens clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Tests run on mlx's bundled BLAS, the one the goldens were recorded with:
+# a preloaded OpenBLAS from the caller's environment is cleared on purpose.
+test: install
+	$(BIN)/ruff check .
+	env -u LD_PRELOAD $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+
+serve: install
+	$(BIN)/mlx-nursery serve $(ARGS)
+
+# Rebuild the tiny models and re-record the mlx-lm goldens (mlx-lm only).
+goldens: install
+	env -u LD_PRELOAD $(BIN)/python goldens/make_models.py
+	env -u LD_PRELOAD $(BIN)/python goldens/make_goldens.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""mlx-nursery's engine: a Trio actor graph around mlx-lm's models and batch caches."""

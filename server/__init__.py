@@ -1,0 +1,1 @@
+"""mlx-nursery's HTTP front, CLI and load client."""
