@@ -1,0 +1,161 @@
+"""The admission actor: the FIFO queue, placement on a lane, and the lane hand-over.
+
+Every request enters here. The queue is strict FIFO, head of line: nothing is
+reordered. A continuous-lane head is admitted when a batch slot is free and no
+serial request runs; a serial head waits until the batch lane has drained (its
+rows finish; no new ones join behind the waiter), then gets the GPU alone: drain,
+never starve. Admission also routes cancels to whichever actor holds the row.
+
+The scheduling decision is the plain function :func:`plan`, testable without a
+model; the actor only applies it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from .emitter import Terminal
+from .gpu import Gpu
+from .request import Lane, Row
+from .stats import Gauge, Observe, Stats
+
+MAILBOX_SIZE = 4096
+
+
+@attrs.frozen
+class Submit:
+    row: Row
+
+
+@attrs.frozen
+class Cancel:
+    row_id: int
+    reason: str
+
+
+@attrs.frozen
+class Left:
+    """A row left its lane (finished, failed or cancelled): its slot is free."""
+
+    row_id: int
+
+
+@attrs.frozen
+class Shutdown:
+    reason: str
+
+
+@attrs.frozen
+class Plan:
+    to_batch: tuple[Row, ...]
+    to_serial: Row | None
+
+
+def plan(
+    queue: deque[Row], *, cap: int, in_batch: int, serial_running: bool, closing: bool
+) -> Plan:
+    """Pop the rows to admit now from the head of ``queue`` (mutates it)."""
+    to_batch: list[Row] = []
+    to_serial = None
+    while queue and not closing:
+        head = queue[0]
+        if head.lane is Lane.SERIAL:
+            if in_batch + len(to_batch) == 0 and not serial_running and to_serial is None:
+                to_serial = queue.popleft()
+            break  # a serial head holds admission until it has run
+        if serial_running or to_serial is not None or in_batch + len(to_batch) >= cap:
+            break
+        to_batch.append(queue.popleft())
+    return Plan(tuple(to_batch), to_serial)
+
+
+@attrs.define(eq=False)
+class Admission:
+    cap: int
+    gpu: Gpu
+    stats: Stats
+    to_prefill: trio.MemorySendChannel
+    to_serial: trio.MemorySendChannel
+    to_emitter: trio.MemorySendChannel
+    prompt_cache: Callable[[Row], None] | None = None  # seam for the prompt-cache actor
+    send: trio.MemorySendChannel = attrs.field(init=False)
+    _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
+    _queue: deque[Row] = attrs.field(factory=deque, init=False)
+    _lanes: dict[int, Lane] = attrs.field(factory=dict, init=False)  # admitted rows
+    _closing: bool = attrs.field(default=False, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.send, self._receive = trio.open_memory_channel(MAILBOX_SIZE)
+
+    @property
+    def _in_batch(self) -> int:
+        return sum(1 for lane in self._lanes.values() if lane is Lane.CONTINUOUS)
+
+    @property
+    def _serial_running(self) -> bool:
+        return any(lane is Lane.SERIAL for lane in self._lanes.values())
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with self._receive, self.to_prefill, self.to_serial, self.to_emitter:
+            task_status.started()
+            async for message in self._receive:
+                await self.dispatch(message)
+                await self._admit()
+                self.stats.post(Gauge("pending_rows", len(self._queue)))
+                self.stats.post(Gauge("active_rows", len(self._lanes)))
+
+    async def dispatch(self, message: Submit | Cancel | Left | Shutdown) -> None:
+        match message:
+            case Submit(row):
+                if self._closing:
+                    await self.to_emitter.send(Terminal(row, "cancelled", "engine shutting down"))
+                else:
+                    self._queue.append(row)
+            case Cancel(row_id, reason):
+                await self._cancel(row_id, reason)
+            case Left(row_id):
+                lane = self._lanes.pop(row_id, None)
+                if lane is not None and not any(v is lane for v in self._lanes.values()):
+                    self.gpu.give_lane(lane.value)
+            case Shutdown(reason):
+                self._closing = True
+                for row_id in [r.id for r in self._queue] + list(self._lanes):
+                    await self._cancel(row_id, reason)
+            case _:
+                raise TypeError(f"admission got an unexpected message: {message!r}")
+
+    async def _cancel(self, row_id: int, reason: str) -> None:
+        for row in self._queue:
+            if row.id == row_id:
+                self._queue.remove(row)
+                await self.to_emitter.send(Terminal(row, "cancelled", reason))
+                return
+        lane = self._lanes.get(row_id)
+        if lane is Lane.CONTINUOUS:
+            await self.to_prefill.send(Cancel(row_id, reason))  # prefill forwards to decode
+        elif lane is Lane.SERIAL:
+            await self.to_serial.send(Cancel(row_id, reason))
+        # unknown: already finished; cancelling twice is a no-op
+
+    async def _admit(self) -> None:
+        p = plan(
+            self._queue,
+            cap=self.cap,
+            in_batch=self._in_batch,
+            serial_running=self._serial_running,
+            closing=self._closing,
+        )
+        now = trio.current_time()
+        for row in (*p.to_batch, *([p.to_serial] if p.to_serial else [])):
+            if self.gpu.lane != row.lane.value:
+                self.gpu.take_lane(row.lane.value)
+            self._lanes[row.id] = row.lane
+            self.stats.post(Observe("queue_wait", now - row.times.submitted))
+            if self.prompt_cache is not None:
+                self.prompt_cache(row)
+            target = self.to_serial if row.lane is Lane.SERIAL else self.to_prefill
+            await target.send(Submit(row))

@@ -1,0 +1,184 @@
+"""The decode-step actor: owns the running batch and steps it.
+
+Between steps it joins primed rows (adopt, merge or extend by cache kind: see
+``rows.Batch.join``) and evicts rows that finished or were cancelled (``filter``),
+all inside one GPU call with the next pipelined step. Finish by EOS, stop token
+or ``max_tokens`` is decided here, per token, by :func:`finish_reason`; text and
+stop strings are the emitter's. A fault in the step cannot be blamed on one row:
+every row in the batch gets the error, the batch KV is dropped, and decoding goes
+on with whatever joins next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import attrs
+import trio
+
+from .admission import Cancel, Left
+from .emitter import Terminal, TokenOut, Tokens
+from .gpu import Gpu
+from .prefill import Join
+from .request import Row
+from .rows import Batch, Sampled
+from .stats import Count, Gauge, Observe, Stats
+
+MAILBOX_SIZE = 4096
+CLEAR_CACHE_EVERY = 256  # steps between mx.clear_cache(), as generate_step does
+
+
+def finish_reason(row: Row, token: int, generated: int, eos: Collection[int]) -> str | None:
+    """Why ``row`` ends on ``token``, its ``generated``-th token (1-based), if it does."""
+    if token in eos or token in row.params.stop_token_ids:
+        return "stop"
+    if generated >= row.params.max_tokens:
+        return "length"
+    return None
+
+
+@attrs.frozen
+class StepResult:
+    sampled: list[Sampled]
+    kv_bytes: int
+    padding_waste: float
+    seconds: float
+
+
+def _advance(batch: Batch, keep: list[int] | None, joiners: list[Batch], step: int) -> StepResult:
+    """One GPU turn: leave, join, step (runs on the GPU thread)."""
+    import time
+
+    import mlx.core as mx
+
+    t0 = time.perf_counter()
+    if keep is not None:
+        batch.filter(keep)
+    for joiner in joiners:
+        batch.join(joiner)
+    sampled = batch.step() if len(batch) else []
+    if step % CLEAR_CACHE_EVERY == 0:
+        mx.clear_cache()
+    return StepResult(sampled, batch.nbytes, batch.padding_waste(), time.perf_counter() - t0)
+
+
+@attrs.define(eq=False)
+class Decode:
+    model: Any
+    gpu: Gpu
+    stats: Stats
+    eos: frozenset[int]
+    to_emitter: trio.MemorySendChannel
+    to_admission: trio.MemorySendChannel
+    send: trio.MemorySendChannel = attrs.field(init=False)
+    _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
+    _batch: Batch = attrs.field(init=False)
+    _rows: list[Row] = attrs.field(factory=list, init=False)  # batch order, as in _batch
+    _joining: list[Join] = attrs.field(factory=list, init=False)
+    _leaving: dict[int, str | None] = attrs.field(factory=dict, init=False)  # id -> cancel reason
+    _steps: int = attrs.field(default=0, init=False)
+    _generated: dict[int, int] = attrs.field(factory=dict, init=False)  # tokens sent per row
+
+    def __attrs_post_init__(self) -> None:
+        self.send, self._receive = trio.open_memory_channel(MAILBOX_SIZE)
+        self._batch = Batch(self.model)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with self._receive, self.to_emitter, self.to_admission:
+            task_status.started()
+            while True:
+                if not self._rows and not self._joining:
+                    self._take(await self._receive.receive())
+                self._drain()
+                await self._turn()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._take(self._receive.receive_nowait())
+            except trio.WouldBlock:
+                return
+
+    def _take(self, message: Join | Cancel) -> None:
+        match message:
+            case Join():
+                self._joining.append(message)
+            case Cancel(row_id, reason):
+                if any(r.id == row_id for r in self._rows):
+                    self._leaving.setdefault(row_id, reason)
+                for join in self._joining:
+                    if join.row.id == row_id:
+                        self._leaving.setdefault(row_id, reason)
+                # unknown id: the row already left; a repeated cancel is a no-op
+            case _:
+                raise TypeError(f"decode got an unexpected message: {message!r}")
+
+    async def _turn(self) -> None:
+        keep = None
+        if self._leaving:
+            keep = [i for i, r in enumerate(self._rows) if r.id not in self._leaving]
+        joins, self._joining = self._joining, []
+        leaving, self._leaving = self._leaving, {}
+        gone = [r for r in self._rows if r.id in leaving]
+        self._rows = [r for r in self._rows if r.id not in leaving]
+        # A row cancelled while it waited to join never enters the batch.
+        dropped = [j for j in joins if j.row.id in leaving]
+        joins = [j for j in joins if j.row.id not in leaving]
+        self._rows.extend(j.row for j in joins)
+        self._steps += 1
+        try:
+            result = await self.gpu.call(
+                _advance, self._batch, keep, [j.joiner for j in joins], self._steps
+            )
+        except Exception as exc:
+            await self._fault(exc, gone + [j.row for j in dropped], leaving)
+            return
+        for row in gone + [j.row for j in dropped]:
+            self._generated.pop(row.id, None)
+            if leaving[row.id] is not None:
+                await self.to_emitter.send(Terminal(row, "cancelled", leaving[row.id]))
+            await self.to_admission.send(Left(row.id))
+        self._report(result)
+        await self._emit(result.sampled)
+
+    def _report(self, result: StepResult) -> None:
+        self.stats.post(Gauge("batch_kv_bytes", result.kv_bytes))
+        self.stats.post(Gauge("decoding_rows", len(self._rows)))
+        self.stats.post(Gauge("padding_waste", result.padding_waste))
+        if result.sampled:
+            self.stats.post(Count("steps"))
+            self.stats.post(Observe("step_time", result.seconds))
+
+    async def _emit(self, sampled: list[Sampled]) -> None:
+        out = []
+        by_id = {r.id: r for r in self._rows}
+        for s in sampled:
+            row = by_id[s.row_id]
+            generated = self._generated[row.id] = self._generated.get(row.id, 0) + 1
+            reason = finish_reason(row, s.token, generated, self.eos)
+            shown = None if reason == "stop" else s.token  # EOS and stop ids are never shown
+            out.append(TokenOut(row, shown, s.logprob, s.top_logprobs, reason))
+            if reason is not None:
+                self._leaving[row.id] = None
+        if out:
+            await self.to_emitter.send(Tokens(tuple(out)))
+        if self._leaving and len(self._leaving) == len(self._rows) and not self._joining:
+            await self._turn()  # free the KV now: nothing else would wake this loop
+
+    async def _fault(self, exc: Exception, gone: list[Row], leaving: dict) -> None:
+        """The step failed: every row in it fails, and the batch starts over empty."""
+        message = f"batch step failed: {type(exc).__name__}: {exc}"
+        self.stats.post(Count("batch_faults"))
+        rows, self._rows = self._rows, []
+        self._batch = Batch(self.model)
+        for row in rows:
+            self._generated.pop(row.id, None)
+            await self.to_emitter.send(Terminal(row, "error", message))
+            await self.to_admission.send(Left(row.id))
+        for row in gone:
+            reason = leaving.get(row.id)
+            if reason is not None:
+                await self.to_emitter.send(Terminal(row, "cancelled", reason))
+            await self.to_admission.send(Left(row.id))
+        self._report(StepResult([], 0, 0.0, 0.0))

@@ -1,0 +1,334 @@
+"""``open_engine``: the actor graph in one nursery, and the embedding API.
+
+    async with open_engine("path/to/model", batch=8) as engine:
+        async with engine.submit("Hello", max_tokens=64) as stream:
+            async for event in stream:
+                ...
+        result = await engine.generate("Hello", max_tokens=64)
+
+Mailboxes: engine -> admission -> prefill -> decode / serial -> emitter -> each
+request's own channel; every actor posts figures to stats; all mlx work runs on
+the GPU actor's thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from .admission import Admission, Cancel, Shutdown, Submit
+from .decode import Decode
+from .emitter import Emitter
+from .errors import ContextOverflow, EngineClosed, GenerationFailed, InvalidRequest
+from .gpu import Gpu
+from .prefill import PrefillActor
+from .request import (
+    Event,
+    Lane,
+    Result,
+    Row,
+    RowTimes,
+    SamplingParams,
+    normalize_stop,
+)
+from .serial import Serial
+from .stats import Count, Stats, StatsSnapshot
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+SHUTDOWN_GRACE_SECONDS = 10.0  # rows in flight get this long to take their terminal event
+
+
+@attrs.frozen
+class ModelInfo:
+    batchable: bool  # every cache layer has mlx-lm's merge (mlx_lm.server's test)
+    context_length: int | None
+    eos: frozenset[int]
+    cache_kinds: tuple[str, ...]
+
+
+def _load(model: Any) -> tuple[Any, Any, ModelInfo]:
+    """Runs on the GPU thread: load (if a path) and inspect the model's caches."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if isinstance(model, str | Path):
+        model, tokenizer = load(str(model))
+    else:
+        model, tokenizer = model
+    caches = make_prompt_cache(model)
+    args = getattr(model, "args", None)
+    context = getattr(args, "max_position_embeddings", None)
+    info = ModelInfo(
+        batchable=all(hasattr(c, "merge") for c in caches),
+        context_length=int(context) if context else None,
+        eos=frozenset(tokenizer.eos_token_ids),
+        cache_kinds=tuple(type(c).__name__ for c in caches),
+    )
+    return model, tokenizer, info
+
+
+@attrs.define(eq=False)
+class RequestStream:
+    """One request's events. Use as ``async with engine.submit(...) as stream``.
+
+    Leaving the block before the terminal event (break, an exception, a cancel)
+    cancels the request: its row is evicted within one step and its KV freed.
+    """
+
+    _engine: Engine
+    row: Row
+    _receive: trio.MemoryReceiveChannel
+
+    async def __aenter__(self) -> RequestStream:
+        await self._engine._enqueue(self.row)
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._receive.close()
+        if not self.row.done:
+            self._engine._cancel(self.row.id, "the consumer left the stream")
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[Event]:
+        async for event in self._receive:
+            yield event
+            if event.terminal:
+                return
+
+
+@attrs.define(eq=False)
+class Engine:
+    model: Any
+    tokenizer: Any
+    info: ModelInfo
+    cap: int
+    default_max_tokens: int
+    stats_actor: Stats
+    _admission: Admission
+    _ids: itertools.count = attrs.field(factory=lambda: itertools.count(1))
+    _closed: bool = False
+
+    # -- the API ----------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, **params: Any) -> RequestStream:
+        """Validate and place one request; enter the returned stream to run it.
+
+        ``params`` are :class:`SamplingParams` fields (``stop`` may be a string).
+        Raises :class:`InvalidRequest` at once for a request the engine cannot run.
+        """
+        if self._closed:
+            raise EngineClosed("the engine is shutting down and takes no new requests")
+        try:
+            ids = self.encode(prompt)
+            row_params = self._params(params)
+            self._check_context(ids, row_params)
+        except InvalidRequest:
+            self.stats_actor.post(Count("rejected"))
+            raise
+        send, receive = trio.open_memory_channel(row_params.max_tokens + 2)
+        row = Row(
+            id=next(self._ids),
+            prompt=ids,
+            params=row_params,
+            lane=self.place(row_params),
+            events=send,
+            times=RowTimes(submitted=trio.current_time()),
+        )
+        return RequestStream(self, row, receive)
+
+    async def generate(self, prompt: Prompt, **params: Any) -> Result:
+        """Run one request to its end; raises :class:`GenerationFailed` on an error event."""
+        tokens, text, logprobs, tops = [], [], [], []
+        async with self.submit(prompt, **params) as stream:
+            async for event in stream:
+                text.append(event.text)
+                if event.token is not None:
+                    tokens.append(event.token)
+                    logprobs.append(event.logprob)
+                    tops.append(event.top_logprobs)
+                if event.terminal:
+                    if event.finish_reason == "error":
+                        raise GenerationFailed(event.error)
+                    want = stream.row.params.wants_logprobs
+                    return Result(
+                        tokens=tokens,
+                        text="".join(text),
+                        finish_reason=event.finish_reason,
+                        usage=event.usage,
+                        logprobs=logprobs if want else None,
+                        top_logprobs=tops if stream.row.params.top_logprobs else None,
+                    )
+        raise GenerationFailed("the stream ended without a terminal event")
+
+    def stats(self) -> StatsSnapshot:
+        return self.stats_actor.snapshot()
+
+    async def wait_idle(self) -> None:
+        """Wait until no row is queued, admitted or decoding, and every figure is in."""
+        while True:
+            s = self.stats()
+            live = s.submitted - (s.finished + s.errored + s.cancelled)
+            if (
+                not live
+                and not s.active_rows
+                and not s.pending_rows
+                and not s.decoding_rows
+                and not s.kv_bytes
+                and not self.stats_actor.backlog
+            ):
+                return
+            await trio.sleep(0.005)
+
+    # -- helpers ----------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt is empty", param="prompt")
+            bos = tok.bos_token
+            return list(tok.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+        items = list(prompt)
+        if not items:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            vocab = getattr(self.model.args, "vocab_size", None) if hasattr(self.model, "args") else None
+            bad = [t for t in items if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                raise InvalidRequest(
+                    f"prompt token id {bad[0]} is out of range for a vocabulary of {vocab}",
+                    param="prompt",
+                )
+            return items
+        if all(isinstance(m, Mapping) for m in items):
+            for i, m in enumerate(items):
+                if "role" not in m or "content" not in m:
+                    raise InvalidRequest(
+                        f"messages[{i}] needs a 'role' and a 'content'", param="messages"
+                    )
+            return list(tok.apply_chat_template(items, add_generation_prompt=True))
+        raise InvalidRequest(
+            "prompt must be a string, a list of token ids, or a list of chat messages",
+            param="prompt",
+        )
+
+    def _params(self, params: dict[str, Any]) -> SamplingParams:
+        params = dict(params)
+        params.setdefault("max_tokens", self.default_max_tokens)
+        params["stop"] = normalize_stop(params.get("stop"))
+        params["stop_token_ids"] = tuple(params.get("stop_token_ids") or ())
+        fields = attrs.fields_dict(SamplingParams)
+        unknown = sorted(set(params) - set(fields))
+        if unknown:
+            raise InvalidRequest(f"unknown parameter {unknown[0]!r}", param=unknown[0])
+        try:
+            return SamplingParams(**params)
+        except TypeError as exc:
+            raise InvalidRequest(str(exc)) from exc
+
+    def _check_context(self, ids: list[int], params: SamplingParams) -> None:
+        limit = self.info.context_length
+        if limit is None:
+            return
+        if len(ids) >= limit:
+            raise ContextOverflow(
+                f"prompt is {len(ids):,} tokens; this model's context is {limit:,}",
+                param="prompt",
+            )
+        if len(ids) + params.max_tokens > limit:
+            raise ContextOverflow(
+                f"prompt ({len(ids):,} tokens) plus max_tokens ({params.max_tokens:,}) is "
+                f"{len(ids) + params.max_tokens:,}; this model's context is {limit:,}: "
+                f"lower max_tokens to at most {limit - len(ids):,}",
+                param="max_tokens",
+            )
+
+    def place(self, params: SamplingParams) -> Lane:
+        """Serial when batching is off or impossible, or a seed asks for reproducibility."""
+        if self.cap <= 1 or not self.info.batchable or params.seed is not None:
+            return Lane.SERIAL
+        return Lane.CONTINUOUS
+
+    async def _enqueue(self, row: Row) -> None:
+        if self._closed:
+            raise EngineClosed("the engine is shutting down and takes no new requests")
+        self.stats_actor.post(Count("submitted"))
+        await self._admission.send.send(Submit(row))
+
+    def _cancel(self, row_id: int, reason: str) -> None:
+        try:
+            self._admission.send.send_nowait(Cancel(row_id, reason))
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # closing: shutdown cancels every row anyway
+
+
+def _mode(cap: int, batchable: bool) -> str:
+    if cap <= 1:
+        return "off"
+    return "batch" if batchable else "serial"
+
+
+@asynccontextmanager
+async def open_engine(
+    model: str | Path | tuple[Any, Any],
+    *,
+    batch: int = 8,
+    prefill_step_size: int = 2048,
+    max_tokens: int = 256,
+    context_length: int | None = None,
+) -> AsyncIterator[Engine]:
+    """Start the actor graph in a nursery of its own; yields once every actor runs.
+
+    ``model`` is a path (loaded with ``mlx_lm.load``) or a ``(model, tokenizer)``
+    pair. ``batch`` caps concurrent rows (1 pins the serial lane). On exit, rows
+    still in flight are cancelled and each gets its terminal event.
+    """
+    if batch < 1:
+        raise InvalidRequest(f"batch must be at least 1, got {batch}", param="batch")
+    if prefill_step_size < 1:
+        raise InvalidRequest("prefill_step_size must be at least 1", param="prefill_step_size")
+    gpu = Gpu()
+    gpu.start()
+    try:
+        loaded, tokenizer, info = await gpu.call(_load, model)
+        if context_length is not None:
+            info = attrs.evolve(info, context_length=context_length)
+        stats = Stats(configured=batch, mode=_mode(batch, info.batchable))
+        emitter = Emitter(tokenizer, stats, cancel=lambda rid, why: engine._cancel(rid, why))
+        decode = Decode(loaded, gpu, stats, info.eos, emitter.send.clone(), None)
+        serial = Serial(
+            loaded, gpu, stats, info.eos, prefill_step_size, emitter.send.clone(), None
+        )
+        prefill = PrefillActor(
+            loaded, gpu, stats, prefill_step_size, decode.send, emitter.send.clone(), None
+        )
+        admission = Admission(batch, gpu, stats, prefill.send, serial.send, emitter.send)
+        decode.to_admission = admission.send.clone()
+        serial.to_admission = admission.send.clone()
+        prefill.to_admission = admission.send.clone()
+        engine = Engine(loaded, tokenizer, info, batch, max_tokens, stats, admission)
+        async with trio.open_nursery() as nursery:
+            for actor in (stats, emitter, decode, serial, prefill, admission):
+                await nursery.start(actor.run)
+            try:
+                yield engine
+            finally:
+                engine._closed = True
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(SHUTDOWN_GRACE_SECONDS):
+                        await admission.send.send(Shutdown("the engine is shutting down"))
+                        await engine.wait_idle()
+                    nursery.cancel_scope.cancel()
+    finally:
+        await gpu.stop()
+
+

@@ -1,0 +1,31 @@
+"""Errors a caller can cause, typed, each saying what to change."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises to a caller."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """A request the engine will not run as given; the message says what to change.
+
+    ``param`` names the offending field where there is one (the HTTP front maps it
+    to the OpenAI error's ``param``).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextOverflow(InvalidRequest):
+    """Prompt, or prompt plus max_tokens, beyond the model's context."""
+
+
+class EngineClosed(EngineError):
+    """The engine is shutting down or closed; it takes no new requests."""
+
+
+class GenerationFailed(EngineError):
+    """A request ended in an error event (``engine.generate`` raises this)."""

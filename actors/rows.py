@@ -1,0 +1,253 @@
+"""GPU-thread state of decoding rows: per-row sampling, the batch, its step.
+
+Everything here runs on the GPU actor's thread (it calls mlx). :class:`Batch` is
+the continuous lane's running batch, modelled on mlx-lm's ``GenerationBatch``:
+the same pipelined step (build and ``async_eval`` step n+1, then read step n),
+the same per-row samplers and logits processors, and mlx-lm's own batch caches
+for joins and leaves. A joiner is itself a one-row :class:`Batch` on solo
+(serial-class) caches, primed once so its first token is sampled before it
+joins; a lone row therefore runs the plain serial graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, CacheList, TokenBuffer, make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
+
+from .request import SamplingParams, TopLogprob
+
+
+def build_sampling(params: SamplingParams):
+    """mlx-lm's sampler and logits processors for one row (GPU thread: they hold arrays)."""
+    if params.greedy:
+        sampler = greedy_sampler  # one shared object: an all-greedy batch samples once
+    else:
+        sampler = make_sampler(
+            params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
+        )
+    processors = make_logits_processors(
+        logit_bias=dict(params.logit_bias) if params.logit_bias else None,
+        repetition_penalty=params.repetition_penalty,
+        repetition_context_size=params.repetition_context_size,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+    )
+    return sampler, processors
+
+
+@attrs.frozen
+class Sampled:
+    """One row's token read from one step."""
+
+    row_id: int
+    token: int
+    logprob: float | None
+    top_logprobs: tuple[TopLogprob, ...] | None
+
+
+def read_logprobs(
+    logprobs: mx.array, token: int, params: SamplingParams
+) -> tuple[float | None, tuple[TopLogprob, ...] | None]:
+    """The chosen token's logprob and the top-N alternatives, as plain Python."""
+    if not params.wants_logprobs:
+        return None, None
+    chosen = logprobs[token].item()
+    top = None
+    if params.top_logprobs:
+        k = params.top_logprobs
+        idx = mx.argpartition(-logprobs, k - 1)[:k]
+        vals = logprobs[idx]
+        pairs = sorted(zip(idx.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
+        top = tuple(TopLogprob(int(i), float(v)) for i, v in pairs)
+    return chosen, top
+
+
+@attrs.define(eq=False)
+class Slot:
+    """One row inside a batch: its sampling state. Never holds prompt text."""
+
+    row_id: int
+    params: SamplingParams
+    sampler: Any
+    processors: list
+    context: TokenBuffer | None  # tokens seen so far, kept only for processors
+
+
+def _first_kv(caches: Sequence[Any]) -> BatchKVCache | None:
+    for c in caches:
+        if isinstance(c, CacheList):
+            found = _first_kv(c.caches)
+            if found is not None:
+                return found
+        if isinstance(c, BatchKVCache) and c.keys is not None:
+            return c
+    return None
+
+
+@attrs.define(eq=False)
+class Batch:
+    """Rows decoding together. ``batched`` is False while the caches are one row's
+    solo caches (the serial graph); the first join turns them into batch caches."""
+
+    model: Any
+    slots: list[Slot] = attrs.field(factory=list)
+    caches: list[Any] | None = None
+    batched: bool = False
+    # Tokens sampled by the last step, fed by the next: lazily computing, one per slot.
+    next_tokens: mx.array | None = None
+    next_logprobs: list[mx.array] = attrs.field(factory=list)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def row_ids(self) -> list[int]:
+        return [s.row_id for s in self.slots]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches) if self.caches else 0
+
+    def padding_waste(self) -> float:
+        """Fraction of the full-attention KV width that is left padding."""
+        if not self.batched or not self.caches:
+            return 0.0
+        kv = _first_kv(self.caches)
+        if kv is None or kv._idx == 0:
+            return 0.0
+        pads = kv.left_padding.tolist()
+        return sum(pads) / (len(pads) * kv._idx)
+
+    # -- membership -------------------------------------------------------------
+
+    def join(self, other: Batch) -> None:
+        """Take ``other``'s rows (a primed joiner) into this batch, by cache kind:
+        adopt its caches when empty, else merge (lone row) or extend (batch)."""
+        if not self.slots:
+            self.caches, self.batched = other.caches, other.batched
+            self.next_tokens, self.next_logprobs = other.next_tokens, list(other.next_logprobs)
+        else:
+            if other.batched:
+                raise ValueError("a joiner arrives on solo caches")
+            if self.batched:
+                for c, j in zip(self.caches, other.caches, strict=True):
+                    c.extend(type(j).merge([j]))
+            else:
+                self.caches = [
+                    type(c).merge([c, j]) for c, j in zip(self.caches, other.caches, strict=True)
+                ]
+                self.batched = True
+            self.next_tokens = mx.concatenate([self.next_tokens, other.next_tokens])
+            self.next_logprobs.extend(other.next_logprobs)
+        self.slots.extend(other.slots)
+        other.slots, other.caches, other.next_tokens, other.next_logprobs = [], None, None, []
+
+    def filter(self, keep: Sequence[int]) -> None:
+        """Keep only the slots at ``keep`` (indices); the rest leave and their KV is freed."""
+        keep = list(keep)
+        if len(keep) == len(self.slots):
+            return
+        self.slots = [self.slots[i] for i in keep]
+        if not keep:
+            self.caches, self.batched = None, False
+            self.next_tokens, self.next_logprobs = None, []
+            return
+        if self.batched:
+            for c in self.caches:
+                c.filter(keep)
+        self.next_tokens = self.next_tokens[mx.array(keep)]
+        self.next_logprobs = [self.next_logprobs[i] for i in keep]
+
+    # -- the step ---------------------------------------------------------------
+
+    def _forward(self) -> tuple[mx.array, list[Any]]:
+        """Build step n+1 from the pending tokens; returns them and the processor contexts."""
+        inputs = self.next_tokens
+        logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
+        contexts = []
+        if any(s.processors for s in self.slots):
+            rows = []
+            for e, slot in enumerate(self.slots):
+                row_logits = logits[e : e + 1]
+                if slot.processors:
+                    ctx = slot.context.update_and_fetch(inputs[e : e + 1])
+                    contexts.append(ctx)
+                    for processor in slot.processors:
+                        row_logits = processor(ctx, row_logits)
+                rows.append(row_logits)
+            logits = mx.concatenate(rows, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        samplers = [s.sampler for s in self.slots]
+        if all(s is samplers[0] for s in samplers):
+            sampled = samplers[0](logprobs)
+        else:
+            sampled = mx.concatenate(
+                [s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0
+            )
+        self.next_tokens = sampled
+        self.next_logprobs = list(logprobs)
+        mx.async_eval(self.next_tokens, self.next_logprobs, contexts)
+        return inputs, contexts
+
+    def step(self) -> list[Sampled]:
+        """Start step n+1, then read step n: the tokens the last step sampled."""
+        current_lp = self.next_logprobs
+        inputs, _ = self._forward()
+        mx.eval(inputs, current_lp)
+        tokens = inputs.tolist()
+        out = []
+        for slot, token, lp in zip(self.slots, tokens, current_lp, strict=True):
+            logprob, top = read_logprobs(lp, token, slot.params)
+            out.append(Sampled(slot.row_id, token, logprob, top))
+        return out
+
+
+@attrs.define(eq=False)
+class Prefill:
+    """A joiner's solo prefill: its prompt but the last token, chunk by chunk, on
+    fresh serial-class caches. ``prime`` then forwards the last token and samples the
+    row's first token on those caches (mlx-lm's tail convention)."""
+
+    model: Any
+    row_id: int
+    prompt: list[int]
+    params: SamplingParams
+    step_size: int
+    caches: list[Any] = attrs.field(init=False)
+    done: int = attrs.field(default=0, init=False)  # prompt tokens already in the caches
+
+    def __attrs_post_init__(self) -> None:
+        self.caches = make_prompt_cache(self.model)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to prefill before the last one."""
+        return len(self.prompt) - 1 - self.done
+
+    def chunk(self) -> int:
+        n = min(self.step_size, self.remaining)
+        if n > 0:
+            tokens = mx.array(self.prompt[self.done : self.done + n])
+            self.model(tokens[None], cache=self.caches)
+            mx.eval([c.state for c in self.caches])
+            self.done += n
+            mx.clear_cache()
+        return n
+
+    def prime(self) -> Batch:
+        sampler, processors = build_sampling(self.params)
+        context = TokenBuffer(self.prompt[:-1]) if processors else None
+        slot = Slot(self.row_id, self.params, sampler, processors, context)
+        batch = Batch(self.model, [slot], self.caches, batched=False)
+        batch.next_tokens = mx.array(self.prompt[-1:])
+        batch._forward()
+        return batch
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
