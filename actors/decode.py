@@ -77,8 +77,10 @@ class Decode:
     _rows: list[Row] = attrs.field(factory=list, init=False)  # batch order, as in _batch
     _joining: list[Join] = attrs.field(factory=list, init=False)
     _leaving: dict[int, str | None] = attrs.field(factory=dict, init=False)  # id -> cancel reason
-    _steps: int = attrs.field(default=0, init=False)
+    _steps: int = attrs.field(default=0, init=False)  # GPU turns taken
+    steps_done: int = attrs.field(default=0, init=False)  # turns that stepped at least one row
     _generated: dict[int, int] = attrs.field(factory=dict, init=False)  # tokens sent per row
+    _stepped: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each step
 
     def __attrs_post_init__(self) -> None:
         self.send, self._receive = trio.open_memory_channel(MAILBOX_SIZE)
@@ -141,6 +143,15 @@ class Decode:
             await self.to_admission.send(Left(row.id))
         self._report(result)
         await self._emit(result.sampled)
+        if result.sampled:
+            self.steps_done += 1
+            self._stepped.set()
+            self._stepped = trio.Event()
+
+    async def wait_steps(self, n: int) -> None:
+        """Wait until ``n`` decode steps have run since the engine started (for scripts)."""
+        while self.steps_done < n:
+            await self._stepped.wait()
 
     def _report(self, result: StepResult) -> None:
         self.stats.post(Gauge("batch_kv_bytes", result.kv_bytes))

@@ -13,6 +13,7 @@ the GPU actor's thread.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -85,6 +86,7 @@ class RequestStream:
     _engine: Engine
     row: Row
     _receive: trio.MemoryReceiveChannel
+    _ended: bool = False  # the terminal event has been read
 
     async def __aenter__(self) -> RequestStream:
         await self._engine._enqueue(self.row)
@@ -95,14 +97,18 @@ class RequestStream:
         if not self.row.done:
             self._engine._cancel(self.row.id, "the consumer left the stream")
 
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self._events()
+    def __aiter__(self) -> RequestStream:
+        return self
 
-    async def _events(self) -> AsyncIterator[Event]:
-        async for event in self._receive:
-            yield event
-            if event.terminal:
-                return
+    async def __anext__(self) -> Event:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            event = await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise StopAsyncIteration from None
+        self._ended = event.terminal
+        return event
 
 
 @attrs.define(eq=False)
@@ -114,6 +120,7 @@ class Engine:
     default_max_tokens: int
     stats_actor: Stats
     _admission: Admission
+    _decode: Decode
     _ids: itertools.count = attrs.field(factory=lambda: itertools.count(1))
     _closed: bool = False
 
@@ -172,6 +179,16 @@ class Engine:
     def stats(self) -> StatsSnapshot:
         return self.stats_actor.snapshot()
 
+    @property
+    def steps(self) -> int:
+        """Continuous-lane decode steps run so far."""
+        return self._decode.steps_done
+
+    async def wait_step(self, n: int) -> None:
+        """Wait until the continuous lane has run ``n`` decode steps: tests and load
+        scripts order their events by engine step rather than by sleeping."""
+        await self._decode.wait_steps(n)
+
     async def wait_idle(self) -> None:
         """Wait until no row is queued, admitted or decoding, and every figure is in."""
         while True:
@@ -195,13 +212,14 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt is empty", param="prompt")
-            bos = tok.bos_token
-            return list(tok.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+            bos = tok.bos_token  # stream_generate's rule for adding special tokens
+            special = bos is None or not prompt.startswith(bos)
+            return list(tok.encode(prompt, add_special_tokens=special))
         items = list(prompt)
         if not items:
             raise InvalidRequest("prompt is empty", param="prompt")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            vocab = getattr(self.model.args, "vocab_size", None) if hasattr(self.model, "args") else None
+            vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
             bad = [t for t in items if t < 0 or (vocab is not None and t >= vocab)]
             if bad:
                 raise InvalidRequest(
@@ -265,10 +283,10 @@ class Engine:
         await self._admission.send.send(Submit(row))
 
     def _cancel(self, row_id: int, reason: str) -> None:
-        try:
+        # When closing, shutdown cancels every row anyway.
+        closed = (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError)
+        with contextlib.suppress(*closed):
             self._admission.send.send_nowait(Cancel(row_id, reason))
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            pass  # closing: shutdown cancels every row anyway
 
 
 def _mode(cap: int, batchable: bool) -> str:
@@ -305,9 +323,7 @@ async def open_engine(
         stats = Stats(configured=batch, mode=_mode(batch, info.batchable))
         emitter = Emitter(tokenizer, stats, cancel=lambda rid, why: engine._cancel(rid, why))
         decode = Decode(loaded, gpu, stats, info.eos, emitter.send.clone(), None)
-        serial = Serial(
-            loaded, gpu, stats, info.eos, prefill_step_size, emitter.send.clone(), None
-        )
+        serial = Serial(loaded, gpu, stats, info.eos, prefill_step_size, emitter.send.clone(), None)
         prefill = PrefillActor(
             loaded, gpu, stats, prefill_step_size, decode.send, emitter.send.clone(), None
         )
@@ -315,20 +331,28 @@ async def open_engine(
         decode.to_admission = admission.send.clone()
         serial.to_admission = admission.send.clone()
         prefill.to_admission = admission.send.clone()
-        engine = Engine(loaded, tokenizer, info, batch, max_tokens, stats, admission)
+        engine = Engine(loaded, tokenizer, info, batch, max_tokens, stats, admission, decode)
+        # The actors run shielded from the caller's cancellation: a caller cancelled
+        # from outside still gets the graceful shutdown below (every row its
+        # terminal event), then the actors are cancelled on purpose.
+        actors_scope = trio.CancelScope(shield=True)
+
+        async def run_actors(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with actors_scope:
+                async with trio.open_nursery() as actors:
+                    for actor in (stats, emitter, decode, serial, prefill, admission):
+                        await actors.start(actor.run)
+                    task_status.started()
+
         async with trio.open_nursery() as nursery:
-            for actor in (stats, emitter, decode, serial, prefill, admission):
-                await nursery.start(actor.run)
+            await nursery.start(run_actors)
             try:
                 yield engine
             finally:
                 engine._closed = True
-                with trio.CancelScope(shield=True):
-                    with trio.move_on_after(SHUTDOWN_GRACE_SECONDS):
-                        await admission.send.send(Shutdown("the engine is shutting down"))
-                        await engine.wait_idle()
-                    nursery.cancel_scope.cancel()
+                with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_GRACE_SECONDS):
+                    await admission.send.send(Shutdown("the engine is shutting down"))
+                    await engine.wait_idle()
+                actors_scope.cancel()
     finally:
         await gpu.stop()
-
-

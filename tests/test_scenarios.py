@@ -1,0 +1,313 @@
+"""Scenarios scripted by engine step (never by sleeping), on the real tiny models.
+
+Each reads like the scenario it scripts; the autouse fixture in conftest checks
+afterwards that every row ended, nothing is queued and no KV is left.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import trio
+import trio.testing
+from conftest import checked_engine, golden, loaded
+from mlx_nursery.actors import GenerationFailed, open_engine
+
+FAMILY = "llama"
+
+
+def serial_cases(family=FAMILY):
+    return {c["prompt"]: c for c in golden(family)["serial"]}
+
+
+async def settle(engine):
+    """Let every actor (stats included) catch up with what has happened so far."""
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_eight_concurrent_rows_batch_and_match_goldens():
+    cases = list(serial_cases().values())
+    prompts = [cases[i % len(cases)] for i in range(8)]
+    results = [None] * 8
+    seen_rows = []
+
+    async def run(i):
+        results[i] = await engine.generate(prompts[i]["prompt_ids"], max_tokens=40)
+
+    async with checked_engine(FAMILY, batch=8) as engine, trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(run, i)
+        while not all(results):
+            await engine.wait_step(engine.steps + 1)
+            await settle(engine)
+            seen_rows.append(engine.stats().decoding_rows)
+    assert max(seen_rows) == 8, seen_rows
+    for case, result in zip(prompts, results, strict=True):
+        assert result.tokens == case["tokens"], case["prompt"]
+    assert engine.stats().padding_waste == 0.0  # after all rows left
+
+
+async def test_a_row_joins_at_step_k_and_starts_after_it():
+    cases = serial_cases()
+    first_event_step = {}
+
+    async def run(name):
+        async with engine.submit(cases[name]["prompt_ids"], max_tokens=40) as stream:
+            tokens = []
+            async for event in stream:
+                first_event_step.setdefault(name, engine.steps)
+                if event.token is not None:
+                    tokens.append(event.token)
+        assert tokens == cases[name]["tokens"], name
+
+    async with checked_engine(FAMILY, batch=4) as engine, trio.open_nursery() as nursery:
+        nursery.start_soon(run, "sentence")
+        await engine.wait_step(6)
+        joined_at = engine.steps
+        nursery.start_soon(run, "long")  # 216 tokens: prefilled in 7 chunks of 32
+    assert first_event_step["long"] > joined_at
+
+
+async def test_a_row_cancelled_at_step_k_leaves_and_frees_its_kv():
+    cases = serial_cases()
+    names = ["sentence", "utf8", "chat"]
+    results = {}
+
+    async def run(name, scope_box):
+        with trio.CancelScope() as scope:
+            scope_box.append(scope)
+            results[name] = await engine.generate(cases[name]["prompt_ids"], max_tokens=40)
+
+    async with checked_engine(FAMILY, batch=4) as engine, trio.open_nursery() as nursery:
+        scopes = {n: [] for n in names}
+        for n in names:
+            nursery.start_soon(run, n, scopes[n])
+        while engine.stats().decoding_rows < 3:  # all three prefilled and joined
+            await engine.wait_step(engine.steps + 1)
+            await settle(engine)
+        await engine.wait_step(engine.steps + 2)
+        await settle(engine)
+        before = engine.stats()
+        assert before.decoding_rows == 3
+        scopes["utf8"][0].cancel()
+        await engine.wait_step(engine.steps + 2)  # one step to see it, one to be sure
+        await settle(engine)
+        after = engine.stats()
+        assert after.decoding_rows == 2
+        assert after.kv_bytes < before.kv_bytes
+    assert "utf8" not in results
+    for n in ("sentence", "chat"):
+        assert results[n].tokens == cases[n]["tokens"], n
+    assert engine.stats().cancelled == 1
+
+
+async def test_a_raising_consumer_loses_only_its_own_row():
+    cases = serial_cases()
+    sibling = {}
+
+    async def run_sibling():
+        sibling["r"] = await engine.generate(cases["chat"]["prompt_ids"], max_tokens=40)
+
+    async with checked_engine(FAMILY, batch=4) as engine, trio.open_nursery() as nursery:
+        nursery.start_soon(run_sibling)
+        await engine.wait_step(2)
+        with pytest.raises(ValueError, match="consumer broke"):
+            async with engine.submit(cases["sentence"]["prompt_ids"], max_tokens=40) as stream:
+                n = 0
+                async for _ in stream:
+                    n += 1
+                    if n == 3:
+                        raise ValueError("consumer broke")
+    assert sibling["r"].tokens == cases["chat"]["tokens"]
+    assert engine.stats().cancelled == 1
+
+
+class FaultyModel:
+    """A hand-written fake at the model boundary: the real model, plus an armed fault.
+
+    ``fail_decode`` raises in the next batched decode forward (B >= 2, one token
+    each); ``fail_prefill`` in the next prompt chunk (more than one token)."""
+
+    def __init__(self, model):
+        self._model = model
+        self.fail_decode = False
+        self.fail_prefill = False
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        if self.fail_decode and inputs.shape[0] >= 2 and inputs.shape[1] == 1:
+            self.fail_decode = False
+            raise RuntimeError("injected decode fault")
+        if self.fail_prefill and inputs.shape[1] > 1:
+            self.fail_prefill = False
+            raise RuntimeError("injected prefill fault")
+        return self._model(inputs, cache=cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+async def test_a_forward_fault_fails_the_batch_and_the_next_request_is_served():
+    model, tokenizer = loaded(FAMILY)
+    faulty = FaultyModel(model)
+    cases = serial_cases()
+    errors = []
+
+    async def run(name):
+        try:
+            await engine.generate(cases[name]["prompt_ids"], max_tokens=40)
+        except GenerationFailed as exc:
+            errors.append(str(exc))
+
+    async with checked_engine((faulty, tokenizer), batch=4) as engine:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "sentence")
+            nursery.start_soon(run, "chat")
+            await engine.wait_step(4)
+            faulty.fail_decode = True
+        assert len(errors) == 2 and all("injected decode fault" in e for e in errors)
+        after = await engine.generate(cases["utf8"]["prompt_ids"], max_tokens=40)
+        assert after.tokens == cases["utf8"]["tokens"]
+        await settle(engine)
+        assert engine.stats().batch_faults == 1
+        assert engine.stats().errored == 2
+
+
+async def test_a_prefill_fault_fails_only_its_joiner():
+    model, tokenizer = loaded(FAMILY)
+    faulty = FaultyModel(model)
+    cases = serial_cases()
+    out = {}
+
+    async def run(name):
+        try:
+            out[name] = await engine.generate(cases[name]["prompt_ids"], max_tokens=40)
+        except GenerationFailed as exc:
+            out[name] = exc
+
+    async with checked_engine((faulty, tokenizer), batch=4) as engine:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "sentence")
+            await engine.wait_step(3)
+            faulty.fail_prefill = True
+            nursery.start_soon(run, "long")
+    assert isinstance(out["long"], GenerationFailed)
+    assert "injected prefill fault" in str(out["long"])
+    assert out["sentence"].tokens == cases["sentence"]["tokens"]
+
+
+async def test_a_seeded_request_drains_the_batch_and_keeps_fifo_order():
+    cases = serial_cases()
+    log = []  # (what, name, engine time)
+
+    async def run(name, params):
+        async with engine.submit(cases[name]["prompt_ids"], **params) as stream:
+            first = True
+            async for _event in stream:
+                if first:
+                    log.append(("first", name, trio.current_time()))
+                    first = False
+        log.append(("end", name, trio.current_time()))
+
+    async with checked_engine(FAMILY, batch=4) as engine, trio.open_nursery() as nursery:
+        nursery.start_soon(run, "sentence", {"max_tokens": 30})
+        nursery.start_soon(run, "chat", {"max_tokens": 30})
+        await engine.wait_step(5)
+        nursery.start_soon(run, "utf8", {"max_tokens": 10, "temperature": 0.8, "seed": 7})
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(run, "short", {"max_tokens": 10})  # behind the seeded one: waits
+    at = {(what, name): t for what, name, t in log}
+    assert at[("first", "utf8")] >= max(at[("end", "sentence")], at[("end", "chat")])
+    assert at[("first", "short")] >= at[("end", "utf8")]
+
+
+async def test_seeded_requests_are_reproducible():
+    cases = serial_cases()
+    async with checked_engine(FAMILY, batch=8) as engine:
+        params = {"max_tokens": 20, "temperature": 1.0, "seed": 1234}
+        a = await engine.generate(cases["sentence"]["prompt_ids"], **params)
+        b = await engine.generate(cases["sentence"]["prompt_ids"], **params)
+    assert a.tokens == b.tokens
+
+
+async def test_shutdown_with_rows_in_flight_ends_each_with_a_terminal_event():
+    cases = serial_cases()
+    terminals = {}
+
+    async def run(name):
+        async with engine.submit(cases[name]["prompt_ids"], max_tokens=200) as stream:
+            async for event in stream:
+                if event.terminal:
+                    terminals[name] = event
+
+    model = loaded(FAMILY)
+    async with trio.open_nursery() as outer:
+        async with open_engine(model, batch=2, prefill_step_size=32) as engine:
+            for name in ("sentence", "chat", "utf8"):  # the third waits in the queue
+                outer.start_soon(run, name)
+            await engine.wait_step(4)
+    assert {e.finish_reason for e in terminals.values()} == {"cancelled"}
+    assert len(terminals) == 3
+    snap = engine.stats()
+    assert snap.ledger_balanced and snap.cancelled == 3
+    assert not [t for t in threading.enumerate() if t.name == "mlx-nursery-gpu"]
+
+
+async def test_an_embedding_app_runs_the_engine_beside_its_own_tasks():
+    ticks = []
+
+    async def ticker():
+        while True:
+            ticks.append(trio.current_time())
+            await trio.sleep(0.01)
+
+    cases = serial_cases()
+    async with trio.open_nursery() as app:
+        app.start_soon(ticker)
+        async with checked_engine(FAMILY, batch=4) as engine:
+            r = await engine.generate(cases["sentence"]["prompt_ids"], max_tokens=40)
+        app.cancel_scope.cancel()
+    assert r.tokens == cases["sentence"]["tokens"]
+    assert len(ticks) >= 1
+
+
+async def test_cancellation_from_outside_closes_the_engine_cleanly():
+    cases = serial_cases()
+    model = loaded(FAMILY)
+    with trio.move_on_after(30) as outer:
+        async with trio.open_nursery() as app:
+            async with open_engine(model, batch=4, prefill_step_size=32) as engine:
+                app.start_soon(engine.generate, cases["long"]["prompt_ids"])
+                await engine.wait_step(3)
+                app.cancel_scope.cancel()  # the app goes away mid-request
+                await trio.sleep_forever()
+    assert not outer.cancelled_caught, "engine shutdown hung"
+    assert not [t for t in threading.enumerate() if t.name == "mlx-nursery-gpu"]
+    assert engine.stats().ledger_balanced
+
+
+async def test_the_event_loop_stays_responsive_while_eight_rows_decode(capsys):
+    cases = list(serial_cases().values())
+    lateness = []
+
+    async def probe():
+        while True:
+            t0 = trio.current_time()
+            await trio.sleep(0.001)
+            lateness.append(trio.current_time() - t0 - 0.001)
+
+    async with checked_engine(FAMILY, batch=8) as engine, trio.open_nursery() as nursery:
+        async with trio.open_nursery() as rows:
+            for i in range(8):
+                rows.start_soon(engine.generate, cases[i % len(cases)]["prompt_ids"])
+            await engine.wait_step(2)
+            nursery.start_soon(probe)
+        nursery.cancel_scope.cancel()
+    lateness.sort()
+    p50, worst = lateness[len(lateness) // 2], lateness[-1]
+    with capsys.disabled():
+        print(
+            f"\nscheduling latency while 8 rows decode: p50 {p50 * 1e3:.2f} ms, "
+            f"max {worst * 1e3:.2f} ms over {len(lateness)} probes"
+        )
+    assert worst < 0.25
