@@ -61,12 +61,21 @@ async def test_a_row_joins_at_step_k_and_starts_after_it():
                     tokens.append(event.token)
         assert tokens == cases[name]["tokens"], name
 
+    waste = []
     async with checked_engine(FAMILY, batch=4) as engine, trio.open_nursery() as nursery:
         nursery.start_soon(run, "sentence")
         await engine.wait_step(6)
         joined_at = engine.steps
         nursery.start_soon(run, "long")  # 216 tokens: prefilled in 7 chunks of 32
+        while len(first_event_step) < 2 or engine.stats().decoding_rows:
+            await engine.wait_step(engine.steps + 1)
+            await settle(engine)
+            waste.append(engine.stats().padding_waste)
+            if engine.stats().decoding_rows < 2 and "long" in first_event_step:
+                break
     assert first_event_step["long"] > joined_at
+    # the short row is left-padded to the long one's width while both decode
+    assert max(waste) > 0.25, waste
 
 
 async def test_a_row_cancelled_at_step_k_leaves_and_frees_its_kv():
