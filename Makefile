@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint install goldens clean
+.PHONY: serve test lint install goldens clean openblas
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,18 @@ test: install
 lint: install
 	$(BIN)/ruff check .
 
-serve: install
+# On Debian-like Linux, fetch OpenBLAS first when it is missing and we may install
+# (root with apt-get): `serve` preloads it, mlx's bundled BLAS being 5-20x slower.
+# Elsewhere this step does nothing and `serve` logs how to get it.
+openblas:
+	@if [ "$$(uname -s)" = Linux ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 \
+	  && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get install -y -qq libopenblas0-pthread || \
+	   (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread)) >/dev/null \
+	  || echo "could not install libopenblas0-pthread; serving with mlx's bundled BLAS"; \
+	fi
+
+serve: install openblas
 	$(BIN)/mlx-nursery serve $(ARGS)
 
 # Rebuild the tiny models and re-record the mlx-lm goldens (mlx-lm only).

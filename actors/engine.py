@@ -54,8 +54,12 @@ class ModelInfo:
     cache_kinds: tuple[str, ...]
 
 
-def _load(model: Any) -> tuple[Any, Any, ModelInfo]:
-    """Runs on the GPU thread: load (if a path) and inspect the model's caches."""
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _load(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
+    """Runs on the GPU thread: load (if a path), cast, and inspect the model's caches."""
+    import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -63,6 +67,12 @@ def _load(model: Any) -> tuple[Any, Any, ModelInfo]:
         model, tokenizer = load(str(model))
     else:
         model, tokenizer = model
+    if dtype == "auto":
+        # On a CPU device float32 is the fast dtype (bf16/fp16 matmuls are emulated).
+        dtype = "float32" if mx.default_device().type == mx.DeviceType.cpu else None
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+        mx.eval(model.parameters())
     caches = make_prompt_cache(model)
     args = getattr(model, "args", None)
     context = getattr(args, "max_position_embeddings", None)
@@ -96,6 +106,30 @@ class RequestStream:
         self._receive.close()
         if not self.row.done:
             self._engine._cancel(self.row.id, "the consumer left the stream")
+
+    async def result(self) -> Result:
+        """Read the rest of the stream into a :class:`Result`; raises
+        :class:`GenerationFailed` if it ends in an error event."""
+        tokens, text, logprobs, tops = [], [], [], []
+        async for event in self:
+            text.append(event.text)
+            if event.token is not None:
+                tokens.append(event.token)
+                logprobs.append(event.logprob)
+                tops.append(event.top_logprobs)
+            if event.terminal:
+                if event.finish_reason == "error":
+                    raise GenerationFailed(event.error)
+                params = self.row.params
+                return Result(
+                    tokens=tokens,
+                    text="".join(text),
+                    finish_reason=event.finish_reason,
+                    usage=event.usage,
+                    logprobs=logprobs if params.wants_logprobs else None,
+                    top_logprobs=tops if params.top_logprobs else None,
+                )
+        raise GenerationFailed("the stream ended without a terminal event")
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -154,27 +188,8 @@ class Engine:
 
     async def generate(self, prompt: Prompt, **params: Any) -> Result:
         """Run one request to its end; raises :class:`GenerationFailed` on an error event."""
-        tokens, text, logprobs, tops = [], [], [], []
         async with self.submit(prompt, **params) as stream:
-            async for event in stream:
-                text.append(event.text)
-                if event.token is not None:
-                    tokens.append(event.token)
-                    logprobs.append(event.logprob)
-                    tops.append(event.top_logprobs)
-                if event.terminal:
-                    if event.finish_reason == "error":
-                        raise GenerationFailed(event.error)
-                    want = stream.row.params.wants_logprobs
-                    return Result(
-                        tokens=tokens,
-                        text="".join(text),
-                        finish_reason=event.finish_reason,
-                        usage=event.usage,
-                        logprobs=logprobs if want else None,
-                        top_logprobs=tops if stream.row.params.top_logprobs else None,
-                    )
-        raise GenerationFailed("the stream ended without a terminal event")
+            return await stream.result()
 
     def stats(self) -> StatsSnapshot:
         return self.stats_actor.snapshot()
@@ -188,6 +203,18 @@ class Engine:
         """Wait until the continuous lane has run ``n`` decode steps: tests and load
         scripts order their events by engine step rather than by sleeping."""
         await self._decode.wait_steps(n)
+
+    async def close(self, reason: str = "the engine is shutting down") -> None:
+        """Stop taking requests, cancel every queued and running row (each gets its
+        terminal event, ``cancelled`` with ``reason``) and wait until all have ended."""
+        if not self._closed:
+            self._closed = True
+            await self._admission.send.send(Shutdown(reason))
+        await self.wait_idle()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     async def wait_idle(self) -> None:
         """Wait until no row is queued, admitted or decoding, and every figure is in."""
@@ -303,13 +330,17 @@ async def open_engine(
     prefill_step_size: int = 2048,
     max_tokens: int = 256,
     context_length: int | None = None,
+    dtype: str | None = None,
 ) -> AsyncIterator[Engine]:
     """Start the actor graph in a nursery of its own; yields once every actor runs.
 
     ``model`` is a path (loaded with ``mlx_lm.load``) or a ``(model, tokenizer)``
-    pair. ``batch`` caps concurrent rows (1 pins the serial lane). On exit, rows
-    still in flight are cancelled and each gets its terminal event.
+    pair. ``batch`` caps concurrent rows (1 pins the serial lane). ``dtype``
+    casts the weights (``auto``: float32 on a CPU device, else as stored). On
+    exit, rows still in flight are cancelled and each gets its terminal event.
     """
+    if dtype is not None and dtype not in DTYPES:
+        raise InvalidRequest(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if batch < 1:
         raise InvalidRequest(f"batch must be at least 1, got {batch}", param="batch")
     if prefill_step_size < 1:
@@ -317,7 +348,7 @@ async def open_engine(
     gpu = Gpu()
     gpu.start()
     try:
-        loaded, tokenizer, info = await gpu.call(_load, model)
+        loaded, tokenizer, info = await gpu.call(_load, model, dtype)
         if context_length is not None:
             info = attrs.evolve(info, context_length=context_length)
         stats = Stats(configured=batch, mode=_mode(batch, info.batchable))
@@ -349,10 +380,8 @@ async def open_engine(
             try:
                 yield engine
             finally:
-                engine._closed = True
                 with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_GRACE_SECONDS):
-                    await admission.send.send(Shutdown("the engine is shutting down"))
-                    await engine.wait_idle()
+                    await engine.close()
                 actors_scope.cancel()
     finally:
         await gpu.stop()

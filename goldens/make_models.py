@@ -22,6 +22,9 @@ from mlx_lm.utils import _get_classes
 
 HERE = Path(__file__).resolve().parent
 MODELS = HERE / "models"
+# The server's embedded default model (`mlx-nursery serve` with no --model): the
+# llama toy, shipped inside the package so `make serve` works offline.
+DEFAULT_MODEL = HERE.parent / "server" / "default_model"
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS = "<|im_end|>"
@@ -217,11 +220,11 @@ def write_tokenizer(path: Path) -> None:
     )
 
 
-def build(name: str, out_root: Path = MODELS) -> Path:
+def build(name: str, out_root: Path = MODELS, path: Path | None = None) -> Path:
     config = CONFIGS[name]
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    path = out_root / name
+    path = path or out_root / name
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
@@ -239,6 +242,8 @@ def main() -> None:
     args = parser.parse_args()
     for name in args.names:
         print(build(name, args.out))
+    if args.out == MODELS:
+        print(build("llama", path=DEFAULT_MODEL))
 
 
 if __name__ == "__main__":

@@ -1,27 +1,144 @@
-"""The `mlx-nursery` command line."""
+"""The `mlx-nursery` command line: `serve` (and, later, `bench`)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
+
+import trio
+from mlx_nursery.actors.engine import DTYPES
+
+from .app import Settings
+from .protocol import Defaults
+from .serve import default_model, maybe_reexec_with_openblas, serve
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _json_object(value: str) -> dict:
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(
+            "must be a JSON object, e.g. '{\"enable_thinking\": false}'"
+        )
+    return obj
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-nursery", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    s = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serve an MLX model over an OpenAI-compatible HTTP API, batching "
+        "concurrent requests.",
+    )
+    s.add_argument(
+        "--model",
+        default=None,
+        help="model path or Hugging Face repo id (default: the tiny model shipped "
+        "inside the package)",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    s.add_argument(
+        "--port", type=int, default=8080, help="port to bind (default: 8080; 0 picks one)"
+    )
+    s.add_argument(
+        "--batch",
+        "--decode-concurrency",
+        dest="batch",
+        type=_positive,
+        default=8,
+        help="most requests decoding at once (default: 8); 1 pins every request "
+        "to the serial lane, for arrival-independent results",
+    )
+    s.add_argument(
+        "--prefill-step-size",
+        type=_positive,
+        default=2048,
+        help="prompt tokens per prefill chunk (default: 2048)",
+    )
+    s.add_argument(
+        "--max-tokens",
+        type=_positive,
+        default=512,
+        help="default max_tokens when a request gives none (default: 512)",
+    )
+    s.add_argument("--temp", type=float, default=0.0, help="default temperature (default: 0.0)")
+    s.add_argument("--top-p", type=float, default=1.0, help="default top_p (default: 1.0)")
+    s.add_argument("--top-k", type=int, default=0, help="default top_k; 0 is off (default: 0)")
+    s.add_argument("--min-p", type=float, default=0.0, help="default min_p (default: 0.0)")
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template to use instead of the tokenizer's",
+    )
+    s.add_argument(
+        "--chat-template-args",
+        type=_json_object,
+        default={},
+        help="JSON object of extra arguments for the chat template",
+    )
+    s.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weights dtype; auto casts to float32 on a CPU device, where it is "
+        "the fast dtype (default: auto)",
+    )
+    s.add_argument(
+        "--allowed-origins", default="*", help="comma-separated CORS origins, or * (default: *)"
+    )
+    s.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="logging level (default: INFO)")  # fmt: skip
     return parser
 
 
+def settings_from(args: argparse.Namespace) -> Settings:
+    return Settings(
+        model=args.model or str(default_model()),
+        host=args.host,
+        port=args.port,
+        batch=args.batch,
+        prefill_step_size=args.prefill_step_size,
+        defaults=Defaults(
+            max_tokens=args.max_tokens,
+            temperature=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+        ),
+        chat_template=args.chat_template,
+        chat_template_args=args.chat_template_args,
+        dtype=args.dtype,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if args.command == "serve":
-        print(
-            "mlx-nursery serve: the HTTP front is not built yet (see the HTTP issue); "
-            "the engine is usable from Python through mlx_nursery.actors.open_engine.",
-            file=sys.stderr,
-        )
-        return 2
+        maybe_reexec_with_openblas(argv)
+        state = trio.run(lambda: serve(settings_from(args), handle_signals=True))
+        if state.phase == "failed":
+            print(f"mlx-nursery: {state.error}", file=sys.stderr)
+            return 1
     return 0
 
 

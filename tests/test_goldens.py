@@ -38,6 +38,13 @@ def test_rebuilding_models_is_byte_identical(tmp_path):
         assert not mismatch and not errors, f"{family}: {mismatch or errors} differ"
 
 
+def test_the_servers_default_model_is_the_llama_toy():
+    shipped = make_models.DEFAULT_MODEL
+    files = [p.name for p in model_path("llama").iterdir()]
+    _, mismatch, errors = filecmp.cmpfiles(model_path("llama"), shipped, files, shallow=False)
+    assert not mismatch and not errors
+
+
 def test_goldens_do_not_drift(family):
     committed = golden(family)
     live = make_goldens.model_goldens(family)

@@ -1,0 +1,102 @@
+"""The engine's stats snapshot as Prometheus text (format 0.0.4) and as JSON."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+from mlx_nursery.actors import HistogramSnapshot, StatsSnapshot
+
+PREFIX = "mlx_nursery"
+
+_COUNTERS = {
+    "submitted": ("requests_submitted_total", "Requests admitted to the engine."),
+    "finished": ("requests_finished_total", "Requests that ended with stop or length."),
+    "errored": ("requests_errored_total", "Requests that ended in an error."),
+    "cancelled": ("requests_cancelled_total", "Requests cancelled (client gone, shutdown)."),
+    "rejected": ("requests_rejected_total", "Requests refused at submit as invalid."),
+    "steps": ("decode_steps_total", "Continuous-lane decode steps."),
+    "prompt_tokens": ("prompt_tokens_total", "Prompt tokens of admitted requests."),
+    "prefill_tokens": ("prefill_tokens_total", "Prompt tokens actually computed."),
+    "generated_tokens": ("generated_tokens_total", "Tokens delivered to clients."),
+    "batch_faults": ("batch_faults_total", "Batch steps that failed (every row errored)."),
+}
+_GAUGES = {
+    "configured": ("batch_configured", "The concurrency cap (--batch)."),
+    "active_rows": ("active_rows", "Requests admitted and not finished."),
+    "pending_rows": ("pending_rows", "Requests queued for admission."),
+    "decoding_rows": ("decoding_rows", "Rows in the continuous batch."),
+    "kv_bytes": ("kv_bytes", "Live KV cache bytes (batch and prefills)."),
+    "padding_waste": ("padding_waste_ratio", "Fraction of the batch KV width that is padding."),
+}
+_HISTOGRAMS = {
+    "time_to_first_token": ("time_to_first_token_seconds", "Submit to first token."),
+    "queue_wait": ("queue_wait_seconds", "Submit to admission."),
+    "step_time": ("decode_step_seconds", "GPU time of one continuous-lane step."),
+}
+
+
+def _fmt(v: float) -> str:
+    if math.isinf(v):
+        return "+Inf"
+    return repr(float(v)) if isinstance(v, float) else str(v)
+
+
+def _histogram(name: str, h: HistogramSnapshot) -> list[str]:
+    lines, cumulative = [], 0
+    for bound, n in zip((*h.buckets, math.inf), h.counts, strict=True):
+        cumulative += n
+        lines.append(f'{name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
+    lines.append(f"{name}_sum {_fmt(h.sum)}")
+    lines.append(f"{name}_count {h.count}")
+    return lines
+
+
+def prometheus(s: StatsSnapshot) -> str:
+    out: list[str] = []
+    for field, (name, help_) in _COUNTERS.items():
+        full = f"{PREFIX}_{name}"
+        out += [f"# HELP {full} {help_}", f"# TYPE {full} counter", f"{full} {getattr(s, field)}"]
+    for field, (name, help_) in _GAUGES.items():
+        full = f"{PREFIX}_{name}"
+        value = _fmt(getattr(s, field))
+        out += [f"# HELP {full} {help_}", f"# TYPE {full} gauge", f"{full} {value}"]
+    mode = f"{PREFIX}_mode"
+    out += [f"# HELP {mode} Batching mode (1 for the current one).", f"# TYPE {mode} gauge"]
+    out += [f'{mode}{{mode="{m}"}} {int(m == s.mode)}' for m in ("off", "serial", "batch")]
+    for field, (name, help_) in _HISTOGRAMS.items():
+        full = f"{PREFIX}_{name}"
+        out += [f"# HELP {full} {help_}", f"# TYPE {full} histogram"]
+        out += _histogram(full, getattr(s, field))
+    return "\n".join(out) + "\n"
+
+
+def _quantile(h: HistogramSnapshot, q: float) -> float | None:
+    v = h.quantile(q)
+    return None if v is None or math.isinf(v) else v  # JSON has no infinity
+
+
+def _hist_json(h: HistogramSnapshot) -> dict:
+    """Quantiles are bucket upper bounds (null: no data, or past the last bound)."""
+    return {
+        "count": h.count,
+        "sum": h.sum,
+        "p50": _quantile(h, 0.5),
+        "p95": _quantile(h, 0.95),
+        "p99": _quantile(h, 0.99),
+    }
+
+
+def stats_json(s: StatsSnapshot) -> dict:
+    body = {
+        k: (_hist_json(v) if isinstance(v, HistogramSnapshot) else v)
+        for k, v in attrs.asdict(s, recurse=False).items()
+    }
+    body["batch"] = {
+        k: getattr(s, k)
+        for k in (
+            "configured", "mode", "active_rows", "pending_rows",
+            "kv_bytes", "kv_budget_bytes", "padding_waste",
+        )
+    }  # fmt: skip
+    return body

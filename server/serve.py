@@ -1,0 +1,129 @@
+"""Run the app under Hypercorn inside one ``trio.run``, with graceful shutdown.
+
+Shutdown (SIGINT/SIGTERM, or ``shutdown`` set by an embedding caller): the
+server refuses new completions (503) and ``/health`` turns 503; in-flight
+requests get ``drain_seconds`` to finish; the rest are cancelled with a reason,
+each stream still ending in an error event and ``data: [DONE]``; then Hypercorn
+stops.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import glob
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from .app import ServerState, Settings, create_app
+
+log = logging.getLogger("mlx_nursery.server")
+
+OPENBLAS_ENV = "MLX_NURSERY_OPENBLAS"  # set to 0 to keep mlx's bundled reference BLAS
+_OPENBLAS_GLOBS = (
+    "/usr/lib/*/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/*/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/local/lib/libopenblas.so.0",
+)
+
+
+def find_openblas() -> str | None:
+    for pattern in _OPENBLAS_GLOBS:
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[0]
+    name = ctypes.util.find_library("openblas")
+    return name if name and os.path.isabs(name) else None
+
+
+def maybe_reexec_with_openblas(argv: list[str]) -> None:
+    """On Linux, restart this process with a system OpenBLAS preloaded: mlx's
+    bundled reference BLAS is 5-20x slower for float32 matmuls."""
+    if not sys.platform.startswith("linux") or os.environ.get(OPENBLAS_ENV) == "0":
+        return
+    if "openblas" in os.environ.get("LD_PRELOAD", ""):
+        log.info("BLAS: OpenBLAS preloaded (%s)", os.environ["LD_PRELOAD"])
+        return
+    lib = find_openblas()
+    if lib is None:
+        log.warning(
+            "BLAS: mlx is using its bundled reference BLAS, which is slow on CPU; install "
+            "OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-pthread) and restart, "
+            "or set %s=0 to silence this",
+            OPENBLAS_ENV,
+        )
+        return
+    log.warning("BLAS: restarting with OpenBLAS preloaded (%s); %s=0 turns this off", lib,
+                OPENBLAS_ENV)  # fmt: skip
+    env = dict(os.environ, LD_PRELOAD=lib)
+    os.execve(sys.executable, [sys.executable, "-m", "mlx_nursery.server.cli", *argv], env)
+
+
+def hypercorn_config(settings: Settings) -> Config:
+    config = Config()
+    config.bind = [f"{settings.host}:{settings.port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = 5.0  # after our own drain, streams end within a step or two
+    config.keep_alive_timeout = 75.0
+    return config
+
+
+async def serve(
+    settings: Settings,
+    *,
+    shutdown: trio.Event | None = None,
+    handle_signals: bool = False,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> ServerState:
+    """Serve until ``shutdown`` is set (or a signal arrives); reports the bound URLs
+    and the server state through ``task_status``. Returns the final state."""
+    app = create_app(settings)
+    state: ServerState = app.extensions["mlx_nursery"]
+    shutdown = trio.Event() if shutdown is None else shutdown
+
+    async def trigger() -> None:
+        async with trio.open_nursery() as waiters:
+
+            async def stop_on(event: trio.Event) -> None:
+                await event.wait()
+                waiters.cancel_scope.cancel()
+
+            waiters.start_soon(stop_on, shutdown)
+            waiters.start_soon(stop_on, state.failed)
+            if handle_signals:
+                waiters.start_soon(_signals, waiters.cancel_scope)
+        log.info(
+            "shutting down: draining in-flight requests (up to %.0f s)", settings.drain_seconds
+        )
+        await state.drain(settings.drain_seconds)
+
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(
+            lambda task_status: hypercorn_serve(
+                app, hypercorn_config(settings), shutdown_trigger=trigger, task_status=task_status
+            )
+        )
+        log.info("listening on %s", ", ".join(urls))
+        task_status.started((urls, state))
+    return state
+
+
+async def _signals(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("got %s", signal.Signals(signum).name)
+            scope.cancel()
+            return
+
+
+def default_model() -> Path:
+    """The tiny model shipped inside the package, so `make serve` works offline."""
+    return Path(__file__).resolve().parent / "default_model"
