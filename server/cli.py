@@ -1,4 +1,4 @@
-"""The `mlx-nursery` command line: `serve` (and, later, `bench`)."""
+"""The `mlx-nursery` command line: `serve` and `bench`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import trio
 from mlx_nursery.actors.engine import DTYPES
 
+from . import bench
 from .app import Settings
 from .protocol import Defaults
 from .serve import default_model, maybe_reexec_with_openblas, serve
@@ -102,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="logging level (default: INFO)")  # fmt: skip
+    b = sub.add_parser(
+        "bench",
+        help="concurrent streaming load against an OpenAI-compatible server",
+        description="Concurrent streaming load against any OpenAI-compatible server: TTFT, "
+        "inter-token latency, aggregate tok/s, /health latency.",
+    )
+    bench.add_arguments(b)
     return parser
 
 
@@ -130,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, args.log_level),
+        level=getattr(logging, getattr(args, "log_level", "WARNING")),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command == "serve":
@@ -139,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         if state.phase == "failed":
             print(f"mlx-nursery: {state.error}", file=sys.stderr)
             return 1
+    elif args.command == "bench":
+        return bench.main(args)
     return 0
 
 
