@@ -1,16 +1,17 @@
-"""The prefill actor: each joiner's prompt, alone, one chunk per GPU turn.
+"""The prefill actor: each joiner's prompt, alone, a bounded chunk per GPU turn.
 
-Rows arrive from admission in FIFO order and are prefilled one at a time on fresh
-solo caches, ``prefill_step_size`` tokens per GPU call. Between two chunks the
-decode actor's step gets its turn on the GPU (the GPU actor runs calls FIFO), so
-running rows keep decoding while a long prompt comes in. The last prompt token is
-forwarded on the solo caches and the row's first token sampled there; the primed
-row then goes to decode to join the batch. A prefill error fails only its row.
+Rows arrive from admission in FIFO order. Each is prefilled on fresh solo caches
+(never padded, never batched with another prompt). A GPU turn spends at most
+``prefill_step_size`` prompt tokens, oldest joiner first: a long prompt takes
+several turns, while several short prompts that arrive together share one turn.
+Between two turns the decode actor's step gets the GPU (calls run FIFO), so
+running rows stall at most one turn's worth of prefill. A joiner whose prompt is
+in is primed (its last token forwarded and its first token sampled on its solo
+caches) and goes to decode to join the batch. A prefill error fails only its row.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import attrs
@@ -35,6 +36,56 @@ class Join:
 
 
 @attrs.define(eq=False)
+class _Work:
+    row: Row
+    job: Prefill | None = None  # made on the GPU thread at the row's first turn
+    cancelled: str | None = None
+
+
+@attrs.frozen
+class _Done:
+    """What one joiner got from a turn: tokens prefilled, and its primed batch when
+    its prompt is complete (or the error that ended it)."""
+
+    tokens: int
+    primed: Batch | None = None
+    error: BaseException | None = None
+
+
+def prefill_turn(model: Any, plan: list[tuple[_Work, int]], step_size: int) -> list[_Done]:
+    """One GPU turn (GPU thread): run each planned chunk; prime what is complete.
+    A fault is caught per joiner, so it fails that joiner alone."""
+    results = []
+    for work, budget in plan:
+        try:
+            if work.job is None:
+                r = work.row
+                work.job = Prefill(model, r.id, r.prompt, r.params, step_size)
+            done = 0
+            while done < budget and work.job.remaining > 0:
+                done += work.job.chunk(budget - done)
+            primed = work.job.prime() if work.job.remaining == 0 else None
+            results.append(_Done(done + (primed is not None), primed))
+        except Exception as exc:
+            results.append(_Done(0, error=exc))
+    return results
+
+
+def plan_turn(active: list[_Work], step_size: int) -> list[tuple[_Work, int]]:
+    """Share one turn's token budget among joiners, oldest first. Each planned
+    joiner gets at least one token (its prime, when nothing else is left)."""
+    plan, budget = [], step_size
+    for work in active:
+        if budget <= 0:
+            break
+        left = len(work.row.prompt) - 1 - (work.job.done if work.job else 0)
+        take = min(budget, max(left, 0))
+        plan.append((work, take))
+        budget -= max(take, 1)
+    return plan
+
+
+@attrs.define(eq=False)
 class PrefillActor:
     model: Any
     gpu: Gpu
@@ -45,9 +96,7 @@ class PrefillActor:
     to_admission: trio.MemorySendChannel
     send: trio.MemorySendChannel = attrs.field(init=False)
     _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
-    _waiting: deque[Row] = attrs.field(factory=deque, init=False)
-    _current: Row | None = attrs.field(default=None, init=False)
-    _cancelled: str | None = attrs.field(default=None, init=False)  # why _current must stop
+    _active: list[_Work] = attrs.field(factory=list, init=False)  # FIFO
 
     def __attrs_post_init__(self) -> None:
         self.send, self._receive = trio.open_memory_channel(MAILBOX_SIZE)
@@ -56,11 +105,12 @@ class PrefillActor:
         with self._receive, self.to_decode, self.to_emitter, self.to_admission:
             task_status.started()
             while True:
-                if not self._waiting:
+                if not self._active:
                     await self._take(await self._receive.receive())
                 await self._drain()
-                if self._waiting:
-                    await self._prefill(self._waiting.popleft())
+                await self._drop_cancelled()
+                if self._active:
+                    await self._turn()
 
     async def _drain(self) -> None:
         while True:
@@ -73,15 +123,13 @@ class PrefillActor:
     async def _take(self, message: Submit | Cancel) -> None:
         match message:
             case Submit(row):
-                self._waiting.append(row)
+                row.times.prefill_started = trio.current_time()
+                self.stats.post(Count("prompt_tokens", len(row.prompt)))
+                self._active.append(_Work(row))
             case Cancel(row_id, reason):
-                if self._current is not None and self._current.id == row_id:
-                    self._cancelled = reason
-                    return
-                for row in self._waiting:
-                    if row.id == row_id:
-                        self._waiting.remove(row)
-                        await self._end(row, "cancelled", reason)
+                for work in self._active:
+                    if work.row.id == row_id:
+                        work.cancelled = work.cancelled or reason
                         return
                 await self.to_decode.send(message)  # already handed over (or gone)
             case _:
@@ -91,30 +139,32 @@ class PrefillActor:
         await self.to_emitter.send(Terminal(row, reason, error))
         await self.to_admission.send(Left(row.id))
 
-    async def _prefill(self, row: Row) -> None:
-        self._current, self._cancelled = row, None
-        row.times.prefill_started = trio.current_time()
-        self.stats.post(Count("prompt_tokens", len(row.prompt)))
-        try:
-            job = await self.gpu.call(
-                Prefill, self.model, row.id, row.prompt, row.params, self.step_size
-            )
-            while job.remaining > 0 and self._cancelled is None:
-                self.stats.post(Count("prefill_tokens", await self.gpu.call(job.chunk)))
-                self.stats.post(Gauge("prefill_kv_bytes", job.nbytes))
-                await self._drain()
-            if self._cancelled is not None:
-                await self._end(row, "cancelled", self._cancelled)
-                return
-            joiner = await self.gpu.call(job.prime)
-            self.stats.post(Count("prefill_tokens"))
-        except Exception as exc:  # a prefill fault is this row's alone
-            await self._end(row, "error", f"prefill failed: {type(exc).__name__}: {exc}")
-            return
-        finally:
-            # A cancelled or failed row's solo KV goes with ``job``; a primed row's
-            # caches now belong to its joiner.
-            self._current = None
-            self.stats.post(Gauge("prefill_kv_bytes", 0))
-        row.times.prefill_ended = trio.current_time()
-        await self.to_decode.send(Join(row, joiner))
+    async def _drop_cancelled(self) -> None:
+        # A cancelled row's solo KV goes with its job, between turns.
+        for work in [w for w in self._active if w.cancelled is not None]:
+            self._active.remove(work)
+            await self._end(work.row, "cancelled", work.cancelled)
+        self._report()
+
+    async def _turn(self) -> None:
+        plan = plan_turn(self._active, self.step_size)
+        results = await self.gpu.call(prefill_turn, self.model, plan, self.step_size)
+        now = trio.current_time()
+        for (work, _), done in zip(plan, results, strict=True):
+            self.stats.post(Count("prefill_tokens", done.tokens))
+            if done.error is None and done.primed is None:
+                continue  # more chunks to come
+            self._active.remove(work)
+            if done.error is not None:
+                err = done.error
+                await self._end(work.row, "error", f"prefill failed: {type(err).__name__}: {err}")
+            elif work.cancelled is not None:
+                await self._end(work.row, "cancelled", work.cancelled)
+            else:
+                work.row.times.prefill_ended = now
+                await self.to_decode.send(Join(work.row, done.primed))
+        self._report()
+
+    def _report(self) -> None:
+        nbytes = sum(w.job.nbytes for w in self._active if w.job is not None)
+        self.stats.post(Gauge("prefill_kv_bytes", nbytes))

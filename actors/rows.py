@@ -229,8 +229,9 @@ class Prefill:
         """Tokens still to prefill before the last one."""
         return len(self.prompt) - 1 - self.done
 
-    def chunk(self) -> int:
-        n = min(self.step_size, self.remaining)
+    def chunk(self, budget: int | None = None) -> int:
+        """Prefill the next chunk (at most ``step_size`` tokens, and ``budget``)."""
+        n = min(self.step_size, self.remaining, budget or self.step_size)
         if n > 0:
             tokens = mx.array(self.prompt[self.done : self.done + n])
             self.model(tokens[None], cache=self.caches)

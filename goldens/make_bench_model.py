@@ -46,7 +46,9 @@ def _corpus(rng: np.random.Generator, n_words: int = 200_000) -> list[str]:
     letters = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
     weights = 1.0 / np.arange(1, 27)
     weights /= weights.sum()
-    lexicon = ["".join(rng.choice(letters, size=rng.integers(2, 9), p=weights)) for _ in range(6000)]
+    lexicon = [
+        "".join(rng.choice(letters, size=rng.integers(2, 9), p=weights)) for _ in range(6000)
+    ]
     ranks = rng.zipf(1.3, size=n_words) % len(lexicon)
     words = [lexicon[r] for r in ranks]
     return [" ".join(words[i : i + 50]) + "." for i in range(0, n_words, 50)]
