@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint install goldens clean openblas
+.PHONY: serve test lint install goldens clean openblas bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,14 @@ openblas:
 
 serve: install openblas
 	$(BIN)/mlx-nursery serve $(ARGS)
+
+# Engine and server against mlx-lm on the 30M benchmark model (built once into
+# ~/.cache/mlx-nursery); writes docs/benchmarks.md, docs/bench/. A few minutes.
+BENCH_MODEL ?= $(HOME)/.cache/mlx-nursery/bench-llama-30m
+bench: install openblas
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	$(BIN)/python goldens/make_bench_model.py --if-missing --out $(BENCH_MODEL)
+	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL)
 
 # Rebuild the tiny models and re-record the mlx-lm goldens (mlx-lm only).
 goldens: install

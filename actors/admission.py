@@ -105,8 +105,9 @@ class Admission:
             async for message in self._receive:
                 await self.dispatch(message)
                 await self._admit()
-                self.stats.post(Gauge("pending_rows", len(self._queue)))
-                self.stats.post(Gauge("active_rows", len(self._lanes)))
+                self.stats.post(
+                    Gauge("pending_rows", len(self._queue)), Gauge("active_rows", len(self._lanes))
+                )
 
     async def dispatch(self, message: Submit | Cancel | Left | Shutdown) -> None:
         match message:

@@ -154,12 +154,14 @@ class Decode:
             await self._stepped.wait()
 
     def _report(self, result: StepResult) -> None:
-        self.stats.post(Gauge("batch_kv_bytes", result.kv_bytes))
-        self.stats.post(Gauge("decoding_rows", len(self._rows)))
-        self.stats.post(Gauge("padding_waste", result.padding_waste))
+        figures = [
+            Gauge("batch_kv_bytes", result.kv_bytes),
+            Gauge("decoding_rows", len(self._rows)),
+            Gauge("padding_waste", result.padding_waste),
+        ]
         if result.sampled:
-            self.stats.post(Count("steps"))
-            self.stats.post(Observe("step_time", result.seconds))
+            figures += [Count("steps"), Observe("step_time", result.seconds)]
+        self.stats.post(*figures)
 
     async def _emit(self, sampled: list[Sampled]) -> None:
         out = []

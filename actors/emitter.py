@@ -90,8 +90,9 @@ class Emitter:
     def dispatch(self, message: Tokens | Terminal) -> None:
         match message:
             case Tokens(items):
-                for item in items:
-                    self._token(item)
+                delivered = sum(self._token(item) for item in items)
+                if delivered:
+                    self.stats.post(Count("generated_tokens", delivered))
             case Terminal(row, reason, error):
                 self._finish(row, reason, error=error)
             case _:
@@ -110,10 +111,11 @@ class Emitter:
             return False
         return True
 
-    def _token(self, item: TokenOut) -> None:
+    def _token(self, item: TokenOut) -> int:
+        """Deliver one token (and the row's end, if it ends); returns tokens delivered."""
         row = item.row
         if row.done:
-            return  # late output of a row that already ended (pipelined step)
+            return 0  # late output of a row that already ended (pipelined step)
         d = self._delivery(row)
         if item.token is not None:
             now = trio.current_time()
@@ -121,7 +123,6 @@ class Emitter:
                 row.times.first_token = now
                 self.stats.post(Observe("time_to_first_token", now - row.times.submitted))
             row.completion_tokens += 1
-            self.stats.post(Count("generated_tokens"))
             d.detokenizer.add_token(item.token)
             shown, d.held, stopped = _split_stop(
                 d.held + d.detokenizer.last_segment, row.params.stop
@@ -130,13 +131,14 @@ class Emitter:
             if not self._deliver(row, event):
                 self._finish(row, "cancelled")
                 self.cancel(row.id, "the consumer stopped reading")
-                return
+                return 0
             if stopped:
                 self._finish(row, "stop", flush=False)
                 self.cancel(row.id, "stop string")
-                return
+                return 1
         if item.finish_reason is not None:
             self._finish(row, item.finish_reason)
+        return int(item.token is not None)
 
     def _finish(self, row: Row, reason: str, *, error: str | None = None, flush=True) -> None:
         if row.done:

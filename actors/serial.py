@@ -20,7 +20,7 @@ from .emitter import Terminal, TokenOut, Tokens
 from .gpu import Gpu
 from .request import Row
 from .rows import build_sampling, read_logprobs
-from .stats import Count, Stats
+from .stats import Count, Gauge, Stats
 
 MAILBOX_SIZE = 4096
 
@@ -31,32 +31,38 @@ class _Generation:
 
     row: Row
     steps: Any  # the generate_step generator
+    caches: list  # its KV, kept here so its bytes can be reported
 
     @classmethod
     def start(cls, model: Any, row: Row, prefill_step_size: int) -> _Generation:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
 
         if row.params.seed is not None:
             mx.random.seed(row.params.seed)
         sampler, processors = build_sampling(row.params)
+        caches = make_prompt_cache(model)
         steps = generate_step(
             mx.array(row.prompt),
             model,
             max_tokens=row.params.max_tokens,
             sampler=sampler,
             logits_processors=processors or None,
+            prompt_cache=caches,
             prefill_step_size=prefill_step_size,
         )
-        return cls(row, steps)
+        return cls(row, steps, caches)
 
-    def next(self) -> tuple[int, float | None, Any]:
+    def next(self) -> tuple[int, float | None, Any, int]:
+        """The next token, its logprobs, and the KV bytes now held."""
         token, logprobs = next(self.steps)
         logprob, top = read_logprobs(logprobs, token, self.row.params)
-        return token, logprob, top
+        return token, logprob, top, sum(c.nbytes for c in self.caches)
 
     def close(self) -> None:
         self.steps.close()
+        self.caches = []
 
 
 @attrs.define(eq=False)
@@ -111,7 +117,9 @@ class Serial:
             gen = await self.gpu.call(_Generation.start, self.model, row, self.prefill_step_size)
             generated = 0
             while True:
-                token, logprob, top = await self.gpu.call(gen.next)
+                token, logprob, top, kv_bytes = await self.gpu.call(gen.next)
+                if generated % 16 == 0:  # the serial KV grows slowly: a sample is enough
+                    self.stats.post(Gauge("serial_kv_bytes", kv_bytes))
                 if generated == 0:
                     row.times.prefill_ended = trio.current_time()
                     self.stats.post(Count("prefill_tokens", len(row.prompt)))
@@ -133,4 +141,5 @@ class Serial:
             with trio.CancelScope(shield=True):
                 if gen is not None:
                     await self.gpu.call(gen.close)
+                self.stats.post(Gauge("serial_kv_bytes", 0))
                 await self.to_admission.send(Left(row.id))

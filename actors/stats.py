@@ -82,10 +82,11 @@ COUNTERS = (
     "submitted", "finished", "errored", "cancelled", "rejected",
     "steps", "prompt_tokens", "prefill_tokens", "generated_tokens", "batch_faults", "dropped_stats",
 )  # fmt: skip
-# Each gauge has one writer: admission (rows), decode (batch_*), prefill (prefill_*).
+# Each gauge has one writer: admission (rows), decode (batch_*), prefill (prefill_*),
+# serial (serial_*).
 GAUGES = (
     "active_rows", "pending_rows", "decoding_rows",
-    "batch_kv_bytes", "prefill_kv_bytes", "padding_waste",
+    "batch_kv_bytes", "prefill_kv_bytes", "serial_kv_bytes", "padding_waste",
 )  # fmt: skip
 HISTOGRAMS = ("time_to_first_token", "queue_wait", "step_time")
 
@@ -104,7 +105,7 @@ class StatsSnapshot:
     errored: int
     cancelled: int
     rejected: int  # refused at submit (never admitted; not in the ledger)
-    kv_bytes: int  # live KV of the batch and of prefills in flight (prompt cache apart)
+    kv_bytes: int  # live KV: the batch, prefills in flight, the serial row (prompt cache apart)
     kv_budget_bytes: int | None
     padding_waste: float  # fraction of the batch KV width that is left padding
     steps: int
@@ -139,9 +140,10 @@ class Stats:
         self._gauges = dict.fromkeys(GAUGES, 0.0)
         self._histograms = {name: Histogram() for name in HISTOGRAMS}
 
-    def post(self, message: Count | Gauge | Observe) -> None:
+    def post(self, *messages: Count | Gauge | Observe) -> None:
+        """Post figures; several in one call travel as one mailbox message."""
         try:
-            self._send.send_nowait(message)
+            self._send.send_nowait(messages)
         except trio.WouldBlock:
             self._counters["dropped_stats"] += 1
         except (trio.ClosedResourceError, trio.BrokenResourceError):
@@ -165,8 +167,9 @@ class Stats:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with self._receive:
             task_status.started()
-            async for message in self._receive:
-                self._apply(message)
+            async for messages in self._receive:
+                for message in messages:
+                    self._apply(message)
 
     def snapshot(self) -> StatsSnapshot:
         c, g, h = self._counters, self._gauges, self._histograms
@@ -176,7 +179,7 @@ class Stats:
             active_rows=int(g["active_rows"]),
             pending_rows=int(g["pending_rows"]),
             decoding_rows=int(g["decoding_rows"]),
-            kv_bytes=int(g["batch_kv_bytes"] + g["prefill_kv_bytes"]),
+            kv_bytes=int(g["batch_kv_bytes"] + g["prefill_kv_bytes"] + g["serial_kv_bytes"]),
             kv_budget_bytes=self.kv_budget_bytes,
             padding_waste=float(g["padding_waste"]),
             time_to_first_token=h["time_to_first_token"].snapshot(),

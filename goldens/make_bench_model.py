@@ -110,7 +110,9 @@ def ensure(out: Path | None = None) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=default_dir())
-    print(build(parser.parse_args().out))
+    parser.add_argument("--if-missing", action="store_true", help="keep an existing build")
+    args = parser.parse_args()
+    print(ensure(args.out) if args.if_missing else build(args.out))
 
 
 if __name__ == "__main__":

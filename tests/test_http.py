@@ -285,31 +285,29 @@ async def test_a_client_that_drops_mid_stream_frees_its_row_and_others_finish():
 
 async def test_disconnects_cancel_queued_and_non_streaming_requests():
     base = CASES["chat"]["prompt_ids"]
-    long = {"prompt": base, "max_tokens": 400, "logit_bias": NO_EOS}
+    long = {"prompt": base, "max_tokens": 3000, "logit_bias": NO_EOS}
     with trio.fail_after(TIMEOUT):
         async with running_server(batch=1) as (url, _), httpx.AsyncClient(base_url=url) as client:
-            done = {}
 
-            async def first():
-                r = await client.post("/v1/completions", json=long)
-                done["first"] = r.status_code
-
-            async def queued(scope_box):
+            async def request(scope_box):
                 with trio.CancelScope() as scope:
                     scope_box.append(scope)
-                    async with httpx.AsyncClient(base_url=url) as own:
+                    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as own:
                         await own.post("/v1/completions", json=long)
 
-            box = []
+            running, queued = [], []
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(first)
-                await until(client, lambda s: s["active_rows"] >= 1)
-                nursery.start_soon(queued, box)
+                nursery.start_soon(request, running)  # non-streaming, decoding
+                await until(client, lambda s: s["active_rows"] >= 1 and s["kv_bytes"] > 0)
+                nursery.start_soon(request, queued)  # waits: batch=1 runs one at a time
                 await until(client, lambda s: s["pending_rows"] >= 1)
-                box[0].cancel()  # the queued client goes away
+                queued[0].cancel()  # the queued client goes away
                 s = await until(client, lambda s: s["cancelled"] >= 1)
                 assert s["pending_rows"] == 0 and s["active_rows"] == 1
-            assert done["first"] == 200
+                running[0].cancel()  # and so does the one decoding
+                s = await until(client, lambda s: s["cancelled"] >= 2)
+            s = await until(client, lambda s: not s["active_rows"] and not s["kv_bytes"])
+            assert s["finished"] == 0
 
 
 async def test_shutdown_ends_streams_in_flight_with_an_error_event_and_done():

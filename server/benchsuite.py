@@ -1,0 +1,374 @@
+"""`make bench`: the engine and the server against mlx-lm, paired, in one run.
+
+1. one request: engine decode tok/s vs ``mlx_lm.stream_generate``;
+2. 4 and 8 concurrent requests: engine aggregate tok/s vs mlx-lm's
+   ``BatchGenerator`` driven in a plain loop;
+3. HTTP: ``mlx-nursery serve`` vs ``mlx_lm.server --decode-concurrency 8`` under the
+   same ``mlx-nursery bench`` load (8 clients, 16 requests, 128 tokens);
+4. the same HTTP comparison at 1, 2, 4 and 8 clients, drawn as a PNG.
+
+Each paired measurement is repeated (``--repeats``, 3) alternating the two sides;
+tables give medians with min-max. Results go to ``docs/bench/results.json``, the
+plot to ``docs/bench/http_clients.png`` and the tables into ``docs/benchmarks.md``
+between its ``bench:start`` / ``bench:end`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import attrs
+import httpx
+import trio
+
+from .bench import LoadSpec, prompts, run_load
+from .serve import OPENBLAS_ENV, find_openblas
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+SINGLE_TOKENS = 256
+BATCH_TOKENS = 128
+PROMPT = "Write a short story about a lighthouse keeper who collects sea glass."
+
+
+def blas() -> str:
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    return "OpenBLAS (preloaded)" if "libopenblas" in maps else "mlx bundled reference BLAS"
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "all": values}  # fmt: skip
+
+
+# -- 1 and 2: in-process ----------------------------------------------------------
+
+
+def mlx_single(model, tokenizer) -> float:
+    from mlx_lm import stream_generate
+
+    responses = list(stream_generate(model, tokenizer, PROMPT, max_tokens=SINGLE_TOKENS))
+    return responses[-1].generation_tps
+
+
+def engine_single(model, tokenizer) -> float:
+    from mlx_nursery.actors import open_engine
+
+    async def go():
+        async with open_engine((model, tokenizer), batch=8) as engine:
+            r = await engine.generate(PROMPT, max_tokens=SINGLE_TOKENS)
+            return r.usage.decode_tokens_per_second
+
+    return trio.run(go)
+
+
+def batch_prompts(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in prompts(LoadSpec(url="", requests=n, prompt_tokens=32))]
+
+
+def mlx_batch(model, tokenizer, n: int) -> float:
+    from mlx_lm.generate import BatchGenerator
+
+    ids = batch_prompts(tokenizer, n)
+    t0 = time.perf_counter()
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
+    gen.insert(ids, max_tokens=[BATCH_TOKENS] * n)
+    tokens = 0
+    while responses := gen.next_generated():
+        tokens += len(responses)
+    gen.close()
+    return tokens / (time.perf_counter() - t0)
+
+
+def engine_batch(model, tokenizer, n: int) -> float:
+    from mlx_nursery.actors import open_engine
+
+    ids = batch_prompts(tokenizer, n)
+
+    async def go():
+        async with open_engine((model, tokenizer), batch=8) as engine:
+            results = []
+
+            async def one(p):
+                results.append(await engine.generate(p, max_tokens=BATCH_TOKENS))
+
+            t0 = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for p in ids:
+                    nursery.start_soon(one, p)
+            return sum(len(r.tokens) for r in results) / (time.perf_counter() - t0)
+
+    return trio.run(go)
+
+
+def paired(name: str, ours, theirs, repeats: int) -> dict:
+    a, b = [], []
+    ours()  # warm-up: first-call kernel and allocation costs are nobody's figure
+    theirs()
+    for _ in range(repeats):
+        a.append(ours())
+        b.append(theirs())
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
+    row = {"name": name, "ours": summary(a), "mlx_lm": summary(b), "ratio": summary(ratios)}
+    print(f"  {name}: ours {row['ours']['median']:.1f} vs mlx-lm {row['mlx_lm']['median']:.1f} "
+          f"-> {row['ratio']['median']:.3f}x", flush=True)  # fmt: skip
+    return row
+
+
+# -- 3 and 4: HTTP ---------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@attrs.define
+class Server:
+    name: str
+    argv: list[str]
+    port: int
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        env = dict(os.environ, **{OPENBLAS_ENV: "1"})
+        self.proc = subprocess.Popen(
+            [*self.argv, "--port", str(self.port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError(f"{self.name} did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def load(server: Server, clients: int, requests: int) -> dict:
+    spec = LoadSpec(url=server.url, clients=clients, requests=requests, max_tokens=BATCH_TOKENS)
+    return attrs.asdict(trio.run(run_load, spec, None))
+
+
+def http(model: str, repeats: int) -> dict:
+    ours = Server(
+        "mlx-nursery",
+        [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", model,
+         "--batch", "8", "--log-level", "WARNING"],
+        free_port(),
+    )  # fmt: skip
+    theirs = Server(
+        "mlx_lm.server",
+        [sys.executable, "-m", "mlx_lm.server", "--model", model, "--decode-concurrency", "8",
+         "--log-level", "WARNING"],
+        free_port(),
+    )  # fmt: skip
+    out: dict = {"headline": {"ours": [], "mlx_lm": []}, "sweep": {"ours": {}, "mlx_lm": {}}}
+    with ours, theirs:
+        for server in (ours, theirs):
+            load(server, 8, 8)  # warm-up
+        for _ in range(repeats):
+            for key, server in (("ours", ours), ("mlx_lm", theirs)):
+                r = load(server, 8, 16)
+                out["headline"][key].append(r)
+                print(f"  http 8 clients {server.name}: {r['aggregate_tokens_per_second']:.1f} "
+                      f"tok/s, TTFT p95 {r['ttft_p95'] * 1e3:.0f} ms, /health p99 "
+                      f"{r['health_p99'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+        for clients in (1, 2, 4, 8):
+            for key, server in (("ours", ours), ("mlx_lm", theirs)):
+                out["sweep"][key][clients] = load(server, clients, 2 * clients)
+    return out
+
+
+# -- report ---------------------------------------------------------------------------
+
+
+def fmt(s: dict, scale: float = 1.0, digits: int = 1) -> str:
+    return (f"{s['median'] * scale:.{digits}f} ({s['min'] * scale:.{digits}f}-"
+            f"{s['max'] * scale:.{digits}f})")  # fmt: skip
+
+
+def http_rows(h: dict) -> list[tuple[str, dict, dict, str]]:
+    def col(key, field):
+        return summary([r[field] for r in h["headline"][key]])
+
+    rows = []
+    for label, field, scale, better in (
+        ("aggregate tok/s", "aggregate_tokens_per_second", 1.0, "higher"),
+        ("TTFT p50 (ms)", "ttft_p50", 1e3, "lower"),
+        ("TTFT p95 (ms)", "ttft_p95", 1e3, "lower"),
+        ("inter-token p50 (ms)", "itl_p50", 1e3, "lower"),
+        ("/health p99 (ms)", "health_p99", 1e3, "lower"),
+        ("/health max (ms)", "health_max", 1e3, "lower"),
+    ):
+        a, b = col("ours", field), col("mlx_lm", field)
+        a = {k: (v * scale if k != "all" else v) for k, v in a.items()}
+        b = {k: (v * scale if k != "all" else v) for k, v in b.items()}
+        rows.append((label, a, b, f"{a['median'] / b['median']:.2f}x ({better} is better)"))
+    return rows
+
+
+def plot(h: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label in (("ours", "mlx-nursery serve"), ("mlx_lm", "mlx_lm.server")):
+        clients = sorted(h["sweep"][key], key=int)
+        xs = [int(c) for c in clients]
+        ax1.plot(xs, [h["sweep"][key][c]["aggregate_tokens_per_second"] for c in clients],
+                 marker="o", label=label)  # fmt: skip
+        ax2.plot(xs, [h["sweep"][key][c]["ttft_p95"] * 1e3 for c in clients], marker="o",
+                 label=label)  # fmt: skip
+    ax1.set(xlabel="concurrent streaming clients", ylabel="aggregate tok/s (wall clock)",
+            title="Throughput")  # fmt: skip
+    ax2.set(xlabel="concurrent streaming clients", ylabel="TTFT p95 (ms)",
+            title="Time to first token")  # fmt: skip
+    for ax in (ax1, ax2):
+        ax.set_xticks([1, 2, 4, 8])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown(results: dict) -> str:
+    env = results["environment"]
+    lines = [
+        f"Run {env['date']} on {env['machine']}; BLAS: {env['blas']}; model: {env['model']} "
+        f"(float32); mlx {env['mlx']}, mlx-lm {env['mlx_lm']}; {env['repeats']} paired repeats, "
+        "median (min-max).",
+        "",
+        "| measurement | mlx-nursery | mlx-lm | ratio |",
+        "| --- | --- | --- | --- |",
+    ]
+    for row in results["engine"]:
+        lines.append(f"| {row['name']} | {fmt(row['ours'])} | {fmt(row['mlx_lm'])} | "
+                     f"{fmt(row['ratio'], digits=3)} |")  # fmt: skip
+    lines += [
+        "",
+        "HTTP, 8 streaming clients, 16 requests x 128 tokens, ~64-word prompts "
+        "(`mlx-nursery serve --batch 8` vs `mlx_lm.server --decode-concurrency 8`):",
+        "",
+        "| figure | mlx-nursery | mlx_lm.server | ours / theirs |",
+        "| --- | --- | --- | --- |",
+    ]
+    for label, a, b, ratio in http_rows(results["http"]):
+        lines.append(f"| {label} | {fmt(a)} | {fmt(b)} | {ratio} |")
+    lines += ["", "Clients sweep (requests = 2 x clients):", "",
+              "| clients | ours tok/s | theirs tok/s | ours TTFT p95 (ms) | theirs TTFT p95 (ms) |",
+              "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    sweep = results["http"]["sweep"]
+    for c in sorted(sweep["ours"], key=int):
+        a, b = sweep["ours"][c], sweep["mlx_lm"][c]
+        lines.append(f"| {c} | {a['aggregate_tokens_per_second']:.1f} | "
+                     f"{b['aggregate_tokens_per_second']:.1f} | {a['ttft_p95'] * 1e3:.0f} | "
+                     f"{b['ttft_p95'] * 1e3:.0f} |")  # fmt: skip
+    lines += ["", "![HTTP comparison by clients](bench/http_clients.png)"]
+    return "\n".join(lines)
+
+
+def write_docs(results: dict) -> None:
+    out = DOCS / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results["http"], out / "http_clients.png")
+    doc = DOCS / "benchmarks.md"
+    text = (
+        doc.read_text()
+        if doc.exists()
+        else "# Benchmarks\n\n<!-- bench:start -->\n<!-- bench:end -->\n"
+    )
+    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{start}\n{markdown(results)}\n{end}{tail}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="the benchmark model directory")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-http", action="store_true")
+    args = parser.parse_args()
+
+    lib = find_openblas()
+    if lib and "openblas" not in os.environ.get("LD_PRELOAD", ""):
+        os.execve(sys.executable, [sys.executable, "-m", "mlx_nursery.server.benchsuite",
+                                   *sys.argv[1:]], dict(os.environ, LD_PRELOAD=lib))  # fmt: skip
+
+    from mlx_lm import load as mlx_load
+
+    model, tokenizer = mlx_load(args.model)
+    print(f"benchmarking {args.model} on {blas()}", flush=True)
+    results = {
+        "environment": {
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": f"{platform.machine()} Linux, {os.cpu_count()} cores"
+            if sys.platform.startswith("linux")
+            else platform.platform(),
+            "blas": blas(),
+            "model": "bench-llama-30m (hidden 512, 8 layers, vocab 8192)",
+            "mlx": metadata.version("mlx"),
+            "mlx_lm": metadata.version("mlx-lm"),
+            "repeats": args.repeats,
+        },
+        "engine": [
+            paired(
+                "1 request, decode tok/s (vs stream_generate)",
+                lambda: engine_single(model, tokenizer),
+                lambda: mlx_single(model, tokenizer),
+                args.repeats,
+            ),
+            paired(
+                "4 requests, aggregate tok/s (vs BatchGenerator)",
+                lambda: engine_batch(model, tokenizer, 4),
+                lambda: mlx_batch(model, tokenizer, 4),
+                args.repeats,
+            ),
+            paired(
+                "8 requests, aggregate tok/s (vs BatchGenerator)",
+                lambda: engine_batch(model, tokenizer, 8),
+                lambda: mlx_batch(model, tokenizer, 8),
+                args.repeats,
+            ),
+        ],
+    }
+    if not args.skip_http:
+        results["http"] = http(args.model, args.repeats)
+        write_docs(results)
+    print(markdown(results) if "http" in results else json.dumps(results["engine"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
