@@ -11,6 +11,7 @@ on with whatever joins next.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection
 from typing import Any
 
@@ -21,6 +22,7 @@ from .admission import Cancel, Left
 from .emitter import Terminal, TokenOut, Tokens
 from .gpu import Gpu
 from .prefill import Join
+from .prompt_cache import Put
 from .request import Row
 from .rows import Batch, Sampled
 from .stats import Count, Gauge, Observe, Stats
@@ -38,21 +40,34 @@ def finish_reason(row: Row, token: int, generated: int, eos: Collection[int]) ->
     return None
 
 
+# A leaving row's KV is handed to the prompt cache when its prompt has at least
+# this many tokens (a merged row's must be copied out of the batch first).
+PUT_MIN_PROMPT = 16
+
+
 @attrs.frozen
 class StepResult:
     sampled: list[Sampled]
     kv_bytes: int
     padding_waste: float
     seconds: float
+    saved: list[tuple[int, list[Any]]] = attrs.Factory(list)  # (row index, its caches)
 
 
-def _advance(batch: Batch, keep: list[int] | None, joiners: list[Batch], step: int) -> StepResult:
-    """One GPU turn: leave, join, step (runs on the GPU thread)."""
+def _advance(
+    batch: Batch, keep: list[int] | None, save: list[int], joiners: list[Batch], step: int
+) -> StepResult:
+    """One GPU turn: leave (handing ``save`` rows' caches back), join, step (GPU thread)."""
     import time
 
     import mlx.core as mx
 
     t0 = time.perf_counter()
+    saved = []
+    if save and not batch.batched:
+        saved = [(save[0], batch.caches)]  # the lone row's own caches: no copy
+    elif save:
+        saved = [(i, [c.extract(i) for c in batch.caches]) for i in save]
     if keep is not None:
         batch.filter(keep)
     for joiner in joiners:
@@ -60,7 +75,8 @@ def _advance(batch: Batch, keep: list[int] | None, joiners: list[Batch], step: i
     sampled = batch.step() if len(batch) else []
     if step % CLEAR_CACHE_EVERY == 0:
         mx.clear_cache()
-    return StepResult(sampled, batch.nbytes, batch.padding_waste(), time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    return StepResult(sampled, batch.nbytes, batch.padding_waste(), seconds, saved)
 
 
 @attrs.define(eq=False)
@@ -71,6 +87,7 @@ class Decode:
     eos: frozenset[int]
     to_emitter: trio.MemorySendChannel
     to_admission: trio.MemorySendChannel
+    to_prompt_cache: trio.MemorySendChannel | None = None
     send: trio.MemorySendChannel = attrs.field(init=False)
     _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
     _batch: Batch = attrs.field(init=False)
@@ -79,7 +96,7 @@ class Decode:
     _leaving: dict[int, str | None] = attrs.field(factory=dict, init=False)  # id -> cancel reason
     _steps: int = attrs.field(default=0, init=False)  # GPU turns taken
     steps_done: int = attrs.field(default=0, init=False)  # turns that stepped at least one row
-    _generated: dict[int, int] = attrs.field(factory=dict, init=False)  # tokens sent per row
+    _tokens: dict[int, list[int]] = attrs.field(factory=dict, init=False)  # read per row
     _stepped: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each step
 
     def __attrs_post_init__(self) -> None:
@@ -87,13 +104,18 @@ class Decode:
         self._batch = Batch(self.model)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with self._receive, self.to_emitter, self.to_admission:
+        with self._receive, self.to_emitter, self.to_admission, self._prompt_cache_channel():
             task_status.started()
             while True:
                 if not self._rows and not self._joining:
                     self._take(await self._receive.receive())
                 self._drain()
                 await self._turn()
+
+    def _prompt_cache_channel(self):
+        if self.to_prompt_cache is None:
+            return contextlib.nullcontext()
+        return self.to_prompt_cache
 
     def _drain(self) -> None:
         while True:
@@ -117,11 +139,18 @@ class Decode:
                 raise TypeError(f"decode got an unexpected message: {message!r}")
 
     async def _turn(self) -> None:
-        keep = None
+        keep, save = None, []
         if self._leaving:
             keep = [i for i, r in enumerate(self._rows) if r.id not in self._leaving]
+            if self.to_prompt_cache is not None:
+                save = [
+                    i
+                    for i, r in enumerate(self._rows)
+                    if r.id in self._leaving and len(r.prompt) >= PUT_MIN_PROMPT
+                ]
         joins, self._joining = self._joining, []
         leaving, self._leaving = self._leaving, {}
+        gone_order = list(self._rows)  # the batch order ``keep`` and ``save`` index into
         gone = [r for r in self._rows if r.id in leaving]
         self._rows = [r for r in self._rows if r.id not in leaving]
         # A row cancelled while it waited to join never enters the batch.
@@ -131,13 +160,18 @@ class Decode:
         self._steps += 1
         try:
             result = await self.gpu.call(
-                _advance, self._batch, keep, [j.joiner for j in joins], self._steps
+                _advance, self._batch, keep, save, [j.joiner for j in joins], self._steps
             )
         except Exception as exc:
             await self._fault(exc, gone + [j.row for j in dropped], leaving)
             return
+        by_index = dict(enumerate(gone_order))
+        for index, caches in result.saved:
+            row = by_index[index]
+            key = row.prompt + self._tokens.get(row.id, [])
+            await self.to_prompt_cache.send(Put(key, caches, "assistant"))
         for row in gone + [j.row for j in dropped]:
-            self._generated.pop(row.id, None)
+            self._tokens.pop(row.id, None)
             if leaving[row.id] is not None:
                 await self.to_emitter.send(Terminal(row, "cancelled", leaving[row.id]))
             await self.to_admission.send(Left(row.id))
@@ -168,8 +202,9 @@ class Decode:
         by_id = {r.id: r for r in self._rows}
         for s in sampled:
             row = by_id[s.row_id]
-            generated = self._generated[row.id] = self._generated.get(row.id, 0) + 1
-            reason = finish_reason(row, s.token, generated, self.eos)
+            tokens = self._tokens.setdefault(row.id, [])
+            tokens.append(s.token)  # read = fed: exactly what the row's KV holds
+            reason = finish_reason(row, s.token, len(tokens), self.eos)
             shown = None if reason == "stop" else s.token  # EOS and stop ids are never shown
             out.append(TokenOut(row, shown, s.logprob, s.top_logprobs, reason))
             if reason is not None:
@@ -186,7 +221,7 @@ class Decode:
         rows, self._rows = self._rows, []
         self._batch = Batch(self.model)
         for row in rows:
-            self._generated.pop(row.id, None)
+            self._tokens.pop(row.id, None)
             await self.to_emitter.send(Terminal(row, "error", message))
             await self.to_admission.send(Left(row.id))
         for row in gone:

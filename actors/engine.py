@@ -29,6 +29,7 @@ from .emitter import Emitter
 from .errors import ContextOverflow, EngineClosed, GenerationFailed, InvalidRequest
 from .gpu import Gpu
 from .prefill import PrefillActor
+from .prompt_cache import PromptCacheActor
 from .request import (
     Event,
     Lane,
@@ -155,6 +156,7 @@ class Engine:
     stats_actor: Stats
     _admission: Admission
     _decode: Decode
+    _template: dict[str, Any] = attrs.field(factory=dict)  # chat template overrides and args
     _ids: itertools.count = attrs.field(factory=lambda: itertools.count(1))
     _closed: bool = False
 
@@ -169,7 +171,7 @@ class Engine:
         if self._closed:
             raise EngineClosed("the engine is shutting down and takes no new requests")
         try:
-            ids = self.encode(prompt)
+            ids, boundary = self._encode(prompt)
             row_params = self._params(params)
             self._check_context(ids, row_params)
         except InvalidRequest:
@@ -183,6 +185,7 @@ class Engine:
             lane=self.place(row_params),
             events=send,
             times=RowTimes(submitted=trio.current_time()),
+            snapshot_at=boundary,
         )
         return RequestStream(self, row, receive)
 
@@ -235,13 +238,30 @@ class Engine:
     # -- helpers ----------------------------------------------------------------
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """The token ids ``submit`` would run for ``prompt``."""
+        return self._encode(prompt)[0]
+
+    def _render(self, messages: list, *, generation_prompt: bool) -> list[int]:
+        try:
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=generation_prompt, **self._template
+                )
+            )
+        except Exception as exc:  # a template error is the request's (or the settings')
+            raise InvalidRequest(
+                f"the chat template could not render these messages: {exc}", param="messages"
+            ) from None
+
+    def _encode(self, prompt: Prompt) -> tuple[list[int], int | None]:
+        """Token ids, and for chat messages where the last message starts."""
         tok = self.tokenizer
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt is empty", param="prompt")
             bos = tok.bos_token  # stream_generate's rule for adding special tokens
             special = bos is None or not prompt.startswith(bos)
-            return list(tok.encode(prompt, add_special_tokens=special))
+            return list(tok.encode(prompt, add_special_tokens=special)), None
         items = list(prompt)
         if not items:
             raise InvalidRequest("prompt is empty", param="prompt")
@@ -253,14 +273,19 @@ class Engine:
                     f"prompt token id {bad[0]} is out of range for a vocabulary of {vocab}",
                     param="prompt",
                 )
-            return items
+            return items, None
         if all(isinstance(m, Mapping) for m in items):
             for i, m in enumerate(items):
                 if "role" not in m or "content" not in m:
                     raise InvalidRequest(
                         f"messages[{i}] needs a 'role' and a 'content'", param="messages"
                     )
-            return list(tok.apply_chat_template(items, add_generation_prompt=True))
+            ids = self._render(items, generation_prompt=True)
+            boundary = None
+            if len(items) > 1:
+                before = self._render(items[:-1], generation_prompt=False)
+                boundary = len(before) if ids[: len(before)] == before else None
+            return ids, boundary
         raise InvalidRequest(
             "prompt must be a string, a list of token ids, or a list of chat messages",
             param="prompt",
@@ -331,13 +356,20 @@ async def open_engine(
     max_tokens: int = 256,
     context_length: int | None = None,
     dtype: str | None = None,
+    prompt_cache_size: int = 10,
+    prompt_cache_bytes: int | None = None,
+    chat_template: str | None = None,
+    chat_template_args: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Engine]:
     """Start the actor graph in a nursery of its own; yields once every actor runs.
 
     ``model`` is a path (loaded with ``mlx_lm.load``) or a ``(model, tokenizer)``
     pair. ``batch`` caps concurrent rows (1 pins the serial lane). ``dtype``
-    casts the weights (``auto``: float32 on a CPU device, else as stored). On
-    exit, rows still in flight are cancelled and each gets its terminal event.
+    casts the weights (``auto``: float32 on a CPU device, else as stored).
+    ``prompt_cache_size`` / ``prompt_cache_bytes`` cap the prompt cache (entries,
+    bytes; a size of 0 turns it off). ``chat_template`` replaces the tokenizer's;
+    ``chat_template_args`` go to every rendering. On exit, rows still in flight
+    are cancelled and each gets its terminal event.
     """
     if dtype is not None and dtype not in DTYPES:
         raise InvalidRequest(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -352,17 +384,28 @@ async def open_engine(
         if context_length is not None:
             info = attrs.evolve(info, context_length=context_length)
         stats = Stats(configured=batch, mode=_mode(batch, info.batchable))
+        cache = None
+        if prompt_cache_size > 0:
+            cache = PromptCacheActor(gpu, stats, prompt_cache_size, prompt_cache_bytes or 1 << 62)
         emitter = Emitter(tokenizer, stats, cancel=lambda rid, why: engine._cancel(rid, why))
         decode = Decode(loaded, gpu, stats, info.eos, emitter.send.clone(), None)
-        serial = Serial(loaded, gpu, stats, info.eos, prefill_step_size, emitter.send.clone(), None)
+        decode.to_prompt_cache = cache.send.clone() if cache else None
+        serial = Serial(
+            loaded, gpu, stats, info.eos, prefill_step_size, emitter.send.clone(), None, cache
+        )
         prefill = PrefillActor(
-            loaded, gpu, stats, prefill_step_size, decode.send, emitter.send.clone(), None
+            loaded, gpu, stats, prefill_step_size, decode.send, emitter.send.clone(), None, cache
         )
         admission = Admission(batch, gpu, stats, prefill.send, serial.send, emitter.send)
         decode.to_admission = admission.send.clone()
         serial.to_admission = admission.send.clone()
         prefill.to_admission = admission.send.clone()
-        engine = Engine(loaded, tokenizer, info, batch, max_tokens, stats, admission, decode)
+        template = dict(chat_template_args or {})
+        if chat_template is not None:
+            template["chat_template"] = chat_template
+        engine = Engine(
+            loaded, tokenizer, info, batch, max_tokens, stats, admission, decode, template
+        )
         # The actors run shielded from the caller's cancellation: a caller cancelled
         # from outside still gets the graceful shutdown below (every row its
         # terminal event), then the actors are cancelled on purpose.
@@ -371,8 +414,9 @@ async def open_engine(
         async def run_actors(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
             with actors_scope:
                 async with trio.open_nursery() as actors:
-                    for actor in (stats, emitter, decode, serial, prefill, admission):
-                        await actors.start(actor.run)
+                    for actor in (stats, cache, emitter, decode, serial, prefill, admission):
+                        if actor is not None:
+                            await actors.start(actor.run)
                     task_status.started()
 
         async with trio.open_nursery() as nursery:

@@ -20,6 +20,7 @@ import trio
 from .admission import Cancel, Left, Submit
 from .emitter import Terminal
 from .gpu import Gpu
+from .prompt_cache import Hit, PromptCacheActor, Put
 from .request import Row
 from .rows import Batch, Prefill
 from .stats import Count, Gauge, Stats
@@ -39,7 +40,23 @@ class Join:
 class _Work:
     row: Row
     job: Prefill | None = None  # made on the GPU thread at the row's first turn
+    hit: Hit | None = None  # the prompt-cache take, made just before that turn
+    snapshot_at: set[int] = attrs.field(factory=set)  # boundaries to store on the way
     cancelled: str | None = None
+
+    @property
+    def done(self) -> int:
+        if self.job is not None:
+            return self.job.done
+        return self.hit.cached if self.hit is not None else 0
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 @attrs.frozen
@@ -59,8 +76,11 @@ def prefill_turn(model: Any, plan: list[tuple[_Work, int]], step_size: int) -> l
     for work, budget in plan:
         try:
             if work.job is None:
-                r = work.row
-                work.job = Prefill(model, r.id, r.prompt, r.params, step_size)
+                r, hit = work.row, work.hit
+                caches = hit.caches if hit is not None else None
+                cached = hit.cached if hit is not None else 0
+                work.job = Prefill(model, r.id, r.prompt, r.params, step_size, caches, cached)
+            work.job.snapshot_at = {b for b in work.snapshot_at if b > work.job.done}
             done = 0
             while done < budget and work.job.remaining > 0:
                 done += work.job.chunk(budget - done)
@@ -71,18 +91,39 @@ def prefill_turn(model: Any, plan: list[tuple[_Work, int]], step_size: int) -> l
     return results
 
 
+# Joiners sharing at least this many prompt tokens with an earlier joiner wait for
+# its snapshot there instead of computing the shared part again.
+MIN_SHARED = 16
+
+
 def plan_turn(active: list[_Work], step_size: int) -> list[tuple[_Work, int]]:
     """Share one turn's token budget among joiners, oldest first. Each planned
-    joiner gets at least one token (its prime, when nothing else is left)."""
+    joiner gets at least one token (its prime, when nothing else is left).
+
+    A joiner that has not started and shares a prefix of ``MIN_SHARED`` tokens or
+    more with an earlier joiner still short of that point is held back, and the
+    earlier one told to snapshot there: the shared part is computed once."""
     plan, budget = [], step_size
-    for work in active:
+    for i, work in enumerate(active):
         if budget <= 0:
             break
-        left = len(work.row.prompt) - 1 - (work.job.done if work.job else 0)
+        if work.job is None and _waits_for_earlier(work, active[:i]):
+            continue
+        left = len(work.row.prompt) - 1 - work.done
         take = min(budget, max(left, 0))
         plan.append((work, take))
         budget -= max(take, 1)
     return plan
+
+
+def _waits_for_earlier(work: _Work, earlier: list[_Work]) -> bool:
+    waits = False
+    for other in earlier:
+        shared = min(shared_prefix(work.row.prompt, other.row.prompt), len(work.row.prompt) - 1)
+        if shared >= MIN_SHARED and other.done < shared:
+            other.snapshot_at.add(min(shared, len(other.row.prompt) - 1))
+            waits = True
+    return waits
 
 
 @attrs.define(eq=False)
@@ -97,6 +138,8 @@ class PrefillActor:
     send: trio.MemorySendChannel = attrs.field(init=False)
     _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
     _active: list[_Work] = attrs.field(factory=list, init=False)  # FIFO
+
+    prompt_cache: PromptCacheActor | None = None
 
     def __attrs_post_init__(self) -> None:
         self.send, self._receive = trio.open_memory_channel(MAILBOX_SIZE)
@@ -148,10 +191,14 @@ class PrefillActor:
 
     async def _turn(self) -> None:
         plan = plan_turn(self._active, self.step_size)
+        for work, _ in plan:
+            if work.job is None and work.hit is None:
+                await self._take_cached(work)
         results = await self.gpu.call(prefill_turn, self.model, plan, self.step_size)
         now = trio.current_time()
         for (work, _), done in zip(plan, results, strict=True):
             self.stats.post(Count("prefill_tokens", done.tokens))
+            await self._put_snapshots(work)
             if done.error is None and done.primed is None:
                 continue  # more chunks to come
             self._active.remove(work)
@@ -164,6 +211,27 @@ class PrefillActor:
                 work.row.times.prefill_ended = now
                 await self.to_decode.send(Join(work.row, done.primed))
         self._report()
+
+    async def _take_cached(self, work: _Work) -> None:
+        """Start from the longest usable cached prefix; store a snapshot where the
+        prompt's last message starts, so a follow-up can reuse all before it."""
+        row = work.row
+        if row.snapshot_at is not None and 0 < row.snapshot_at < len(row.prompt):
+            work.snapshot_at.add(row.snapshot_at)
+        if self.prompt_cache is None:
+            work.hit = Hit(None, 0)
+            return
+        work.hit = await self.prompt_cache.take(row.prompt)
+        row.cached_tokens = work.hit.cached
+
+    async def _put_snapshots(self, work: _Work) -> None:
+        if work.job is None or not work.job.snapshots:
+            return
+        snapshots, work.job.snapshots = work.job.snapshots, []
+        if self.prompt_cache is None:
+            return
+        for n, caches in snapshots:
+            await self.prompt_cache.send.send(Put(work.row.prompt[:n], caches, "system"))
 
     def _report(self) -> None:
         nbytes = sum(w.job.nbytes for w in self._active if w.job is not None)

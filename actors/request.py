@@ -167,7 +167,10 @@ class Row:
     lane: Lane
     events: trio.MemorySendChannel = attrs.field(repr=False)
     times: RowTimes = attrs.field(repr=False)
-    cached_tokens: int = 0  # written by admission (the prompt-cache take)
+    cached_tokens: int = 0  # written by prefill / serial (the prompt-cache take)
+    # Where the prompt's last message starts (chat prompts): a boundary snapshot
+    # there lets the next turn of the conversation reuse everything before it.
+    snapshot_at: int | None = None
     completion_tokens: int = 0  # written by the emitter
     # Emitter-owned delivery state: set once the terminal event has been sent.
     done: bool = False

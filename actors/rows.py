@@ -210,19 +210,26 @@ class Batch:
 @attrs.define(eq=False)
 class Prefill:
     """A joiner's solo prefill: its prompt but the last token, chunk by chunk, on
-    fresh serial-class caches. ``prime`` then forwards the last token and samples the
-    row's first token on those caches (mlx-lm's tail convention)."""
+    serial-class caches (fresh, or a prompt-cache clone already holding the first
+    ``done`` tokens). ``prime`` then forwards the last token and samples the row's
+    first token on those caches (mlx-lm's tail convention).
+
+    Chunks split exactly at each boundary in ``snapshot_at``; there a clone of
+    the caches is kept in ``snapshots`` for the prompt cache."""
 
     model: Any
     row_id: int
     prompt: list[int]
     params: SamplingParams
     step_size: int
-    caches: list[Any] = attrs.field(init=False)
-    done: int = attrs.field(default=0, init=False)  # prompt tokens already in the caches
+    caches: list[Any] | None = None
+    done: int = 0  # prompt tokens already in the caches
+    snapshot_at: set[int] = attrs.field(factory=set)
+    snapshots: list[tuple[int, list[Any]]] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
-        self.caches = make_prompt_cache(self.model)
+        if self.caches is None:
+            self.caches = make_prompt_cache(self.model)
 
     @property
     def remaining(self) -> int:
@@ -231,13 +238,20 @@ class Prefill:
 
     def chunk(self, budget: int | None = None) -> int:
         """Prefill the next chunk (at most ``step_size`` tokens, and ``budget``)."""
+        from .prompt_cache import clone
+
         n = min(self.step_size, self.remaining, budget or self.step_size)
+        ahead = [b - self.done for b in self.snapshot_at if b > self.done]
+        if ahead:
+            n = min(n, *ahead)
         if n > 0:
             tokens = mx.array(self.prompt[self.done : self.done + n])
             self.model(tokens[None], cache=self.caches)
             mx.eval([c.state for c in self.caches])
             self.done += n
             mx.clear_cache()
+            if self.done in self.snapshot_at:
+                self.snapshots.append((self.done, [clone(c) for c in self.caches]))
         return n
 
     def prime(self) -> Batch:

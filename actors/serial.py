@@ -18,6 +18,7 @@ from .admission import Cancel, Left, Submit
 from .decode import finish_reason
 from .emitter import Terminal, TokenOut, Tokens
 from .gpu import Gpu
+from .prompt_cache import Hit, PromptCacheActor, Put
 from .request import Row
 from .rows import build_sampling, read_logprobs
 from .stats import Count, Gauge, Stats
@@ -34,7 +35,9 @@ class _Generation:
     caches: list  # its KV, kept here so its bytes can be reported
 
     @classmethod
-    def start(cls, model: Any, row: Row, prefill_step_size: int) -> _Generation:
+    def start(cls, model: Any, row: Row, prefill_step_size: int, hit: Hit | None) -> _Generation:
+        """Set up generate_step, starting after a prompt-cache hit if there is one.
+        Processors see only the uncached part of the prompt, as in mlx_lm.server."""
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
@@ -42,9 +45,10 @@ class _Generation:
         if row.params.seed is not None:
             mx.random.seed(row.params.seed)
         sampler, processors = build_sampling(row.params)
-        caches = make_prompt_cache(model)
+        cached = hit.cached if hit is not None and hit.caches is not None else 0
+        caches = hit.caches if cached else make_prompt_cache(model)
         steps = generate_step(
-            mx.array(row.prompt),
+            mx.array(row.prompt[cached:]),
             model,
             max_tokens=row.params.max_tokens,
             sampler=sampler,
@@ -60,9 +64,11 @@ class _Generation:
         logprob, top = read_logprobs(logprobs, token, self.row.params)
         return token, logprob, top, sum(c.nbytes for c in self.caches)
 
-    def close(self) -> None:
+    def close(self) -> list:
+        """End generation; returns the caches (prompt and every yielded token)."""
         self.steps.close()
-        self.caches = []
+        caches, self.caches = self.caches, []
+        return caches
 
 
 @attrs.define(eq=False)
@@ -74,6 +80,7 @@ class Serial:
     prefill_step_size: int
     to_emitter: trio.MemorySendChannel
     to_admission: trio.MemorySendChannel
+    prompt_cache: PromptCacheActor | None = None
     send: trio.MemorySendChannel = attrs.field(init=False)
     _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
     _cancelled: str | None = attrs.field(default=None, init=False)
@@ -110,11 +117,15 @@ class Serial:
 
     async def _generate(self, row: Row) -> None:
         self._current, self._cancelled = row.id, None
-        gen = None
+        gen, tokens, ended = None, [], False
         try:
             row.times.prefill_started = trio.current_time()
             self.stats.post(Count("prompt_tokens", len(row.prompt)))
-            gen = await self.gpu.call(_Generation.start, self.model, row, self.prefill_step_size)
+            hit = await self.prompt_cache.take(row.prompt) if self.prompt_cache else None
+            row.cached_tokens = hit.cached if hit is not None else 0
+            gen = await self.gpu.call(
+                _Generation.start, self.model, row, self.prefill_step_size, hit
+            )
             generated = 0
             while True:
                 token, logprob, top, kv_bytes = await self.gpu.call(gen.next)
@@ -122,8 +133,9 @@ class Serial:
                     self.stats.post(Gauge("serial_kv_bytes", kv_bytes))
                 if generated == 0:
                     row.times.prefill_ended = trio.current_time()
-                    self.stats.post(Count("prefill_tokens", len(row.prompt)))
+                    self.stats.post(Count("prefill_tokens", len(row.prompt) - row.cached_tokens))
                 generated += 1
+                tokens.append(token)  # yielded = fed: what the caches now hold
                 self._drain()
                 if self._cancelled is not None:
                     await self.to_emitter.send(Terminal(row, "cancelled", self._cancelled))
@@ -132,6 +144,7 @@ class Serial:
                 shown = None if reason == "stop" else token
                 await self.to_emitter.send(Tokens((TokenOut(row, shown, logprob, top, reason),)))
                 if reason is not None:
+                    ended = True
                     return
         except Exception as exc:
             msg = f"generation failed: {type(exc).__name__}: {exc}"
@@ -140,6 +153,9 @@ class Serial:
             self._current = None
             with trio.CancelScope(shield=True):
                 if gen is not None:
-                    await self.gpu.call(gen.close)
+                    caches = await self.gpu.call(gen.close)
+                    if ended and self.prompt_cache is not None and len(row.prompt) >= 16:
+                        put = Put(row.prompt + tokens, caches, "assistant")
+                        await self.prompt_cache.send.send(put)
                 self.stats.post(Gauge("serial_kv_bytes", 0))
                 await self.to_admission.send(Left(row.id))

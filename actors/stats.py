@@ -81,12 +81,14 @@ class Histogram:
 COUNTERS = (
     "submitted", "finished", "errored", "cancelled", "rejected",
     "steps", "prompt_tokens", "prefill_tokens", "generated_tokens", "batch_faults", "dropped_stats",
+    "prompt_cache_hits", "prompt_cache_misses", "prompt_cache_hit_tokens",
 )  # fmt: skip
 # Each gauge has one writer: admission (rows), decode (batch_*), prefill (prefill_*),
 # serial (serial_*).
 GAUGES = (
     "active_rows", "pending_rows", "decoding_rows",
     "batch_kv_bytes", "prefill_kv_bytes", "serial_kv_bytes", "padding_waste",
+    "prompt_cache_entries", "prompt_cache_bytes",
 )  # fmt: skip
 HISTOGRAMS = ("time_to_first_token", "queue_wait", "step_time")
 
@@ -114,6 +116,11 @@ class StatsSnapshot:
     generated_tokens: int
     batch_faults: int
     dropped_stats: int
+    prompt_cache_entries: int
+    prompt_cache_bytes: int
+    prompt_cache_hits: int
+    prompt_cache_misses: int
+    prompt_cache_hit_tokens: int
     time_to_first_token: HistogramSnapshot
     queue_wait: HistogramSnapshot
     step_time: HistogramSnapshot
@@ -182,6 +189,8 @@ class Stats:
             kv_bytes=int(g["batch_kv_bytes"] + g["prefill_kv_bytes"] + g["serial_kv_bytes"]),
             kv_budget_bytes=self.kv_budget_bytes,
             padding_waste=float(g["padding_waste"]),
+            prompt_cache_entries=int(g["prompt_cache_entries"]),
+            prompt_cache_bytes=int(g["prompt_cache_bytes"]),
             time_to_first_token=h["time_to_first_token"].snapshot(),
             queue_wait=h["queue_wait"].snapshot(),
             step_time=h["step_time"].snapshot(),

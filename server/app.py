@@ -52,6 +52,8 @@ class Settings:
     max_request_bytes: int = 16 * 1024 * 1024
     drain_seconds: float = 30.0  # in-flight requests get this long at shutdown
     context_length: int | None = None
+    prompt_cache_size: int = 10
+    prompt_cache_bytes: int | None = None
 
 
 @attrs.define(eq=False)
@@ -80,6 +82,10 @@ class ServerState:
                 max_tokens=s.defaults.max_tokens,
                 context_length=s.context_length,
                 dtype=s.dtype,
+                prompt_cache_size=s.prompt_cache_size,
+                prompt_cache_bytes=s.prompt_cache_bytes,
+                chat_template=s.chat_template,
+                chat_template_args=s.chat_template_args,
             ) as engine:
                 self.engine, self.phase = engine, "serving"
                 log.info("serving %s (batch %d, mode %s)", s.model, s.batch, engine.stats().mode)
@@ -189,28 +195,12 @@ def create_app(settings: Settings) -> QuartTrio:
             code="model_not_found",
         )
 
-    def prompt_of(engine: Engine, parsed: Parsed) -> Any:
-        if parsed.logprobs_style != "chat":
-            return parsed.prompt
-        kwargs = dict(settings.chat_template_args)
-        if settings.chat_template is not None:
-            kwargs["chat_template"] = settings.chat_template
-        try:
-            return list(
-                engine.tokenizer.apply_chat_template(
-                    parsed.prompt, add_generation_prompt=True, **kwargs
-                )
-            )
-        except Exception as exc:  # a template error is the request's (or the flags')
-            msg = f"the chat template could not render these messages: {exc}"
-            raise bad(msg, "messages") from None
-
     async def complete(parser) -> Response:
         engine = engine_or_503()
         parsed = parser(await body_json(), settings.defaults)
         check_model(parsed)
         try:
-            stream = engine.submit(prompt_of(engine, parsed), **parsed.params)
+            stream = engine.submit(parsed.prompt, **parsed.params)
         except InvalidRequest as exc:
             raise bad(str(exc), exc.param) from None
         if parsed.stream:

@@ -23,6 +23,22 @@ def _positive(value: str) -> int:
     return n
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes(value: str) -> int:
+    """A byte count: 1234, 512M, 2G, 1.5G (binary units; a trailing B or iB is fine)."""
+    text = value.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _UNITS and text[-1:] else ""
+    try:
+        n = float(text[: len(text) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {value!r} (try 512M or 2G)") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value!r}")
+    return int(n)
+
+
 def _json_object(value: str) -> dict:
     try:
         obj = json.loads(value)
@@ -91,6 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON object of extra arguments for the chat template",
     )
     s.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=10,
+        help="most prompt-cache entries (default: 10; 0 turns the cache off)",
+    )
+    s.add_argument(
+        "--prompt-cache-bytes",
+        type=_bytes,
+        default=None,
+        help="most prompt-cache bytes, e.g. 2G (default: no cap but the KV budget)",
+    )
+    s.add_argument(
         "--dtype",
         choices=DTYPES,
         default="auto",
@@ -131,6 +159,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         chat_template_args=args.chat_template_args,
         dtype=args.dtype,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_bytes=args.prompt_cache_bytes,
     )
 
 

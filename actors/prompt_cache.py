@@ -1,0 +1,178 @@
+"""The prompt-cache actor: KV caches of past prompts, shared without copying.
+
+The store is mlx-lm's ``LRUPromptCache`` (a trie keyed by token ids, LRU under an
+entry cap and a byte cap, entries typed ``system`` / ``user`` / ``assistant``
+with mlx-lm's eviction preference). What is ours is the take:
+
+- non-consuming and copy-free: a take returns a *clone* whose arrays are new
+  handles onto the same buffers (``a[...]``), never the stored handles. mlx's
+  ``__setitem__`` rewrites the handle it is called on, so a cache sharing a
+  handle with the store would write into the store's buffer; a view handle
+  copies on its first write instead (``tests/test_prompt_cache.py`` shows both);
+- usable only as a strict prefix of the prompt (at least the last token must
+  still be forwarded to get logits): a longer or equal entry is trimmed to
+  the shared prefix where every layer allows it (plain KV, a ring not yet
+  wrapped); recurrent state and wrapped rings match exactly or not at all.
+
+Every mlx touch (clone, trim, byte counts) runs on the GPU thread, called from
+this actor's own task only, so the store has one owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import attrs
+import trio
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from .gpu import Gpu
+from .stats import Count, Gauge, Stats
+
+MAILBOX_SIZE = 4096
+KEY = "model"  # one model per engine: the trie's model key is a constant
+
+
+def clone(cache: Any) -> Any:
+    """A copy of one layer's cache object whose arrays are view handles (no KV copied)."""
+    import mlx.core as mx
+
+    new = copy.copy(cache)
+    for name, value in vars(cache).items():
+        if isinstance(value, mx.array):
+            setattr(new, name, value[...])
+        elif isinstance(value, list | tuple) and value:
+            items = [
+                v[...] if isinstance(v, mx.array) else clone(v) if hasattr(v, "state") else v
+                for v in value
+            ]
+            setattr(new, name, type(value)(items))
+    return new
+
+
+@attrs.frozen
+class Hit:
+    caches: list[Any] | None  # None: nothing usable
+    cached: int  # prompt tokens already in ``caches``
+
+
+class Store(LRUPromptCache):
+    """mlx-lm's LRU prompt cache with a copy-free, prefix-strict take (GPU thread)."""
+
+    def take(self, tokens: list[int]) -> Hit:
+        limit = len(tokens) - 1  # the last prompt token is always forwarded
+        found = self._trie.search(KEY, tokens)
+        short = len(found.shorter) if found.shorter is not None else 0
+        candidates = []
+        if found.exact is not None:
+            candidates.append((found.exact, limit))
+        if found.longer is not None:
+            candidates.append((found.longer, min(limit, found.common_prefix)))
+        for key, usable in candidates:
+            if usable <= short:
+                continue
+            entry = self._trie.get(KEY, key)
+            if can_trim_prompt_cache(entry.prompt_cache):
+                caches = [clone(c) for c in entry.prompt_cache]
+                trim_prompt_cache(caches, len(key) - usable)
+                self._touch(key)
+                return Hit(caches, usable)
+        if 0 < short <= limit:
+            entry = self._trie.get(KEY, found.shorter)
+            self._touch(found.shorter)
+            return Hit([clone(c) for c in entry.prompt_cache], short)
+        return Hit(None, 0)
+
+    def _touch(self, tokens: list[int]) -> None:
+        """Move an entry to the young end of its LRU."""
+        entry = self._trie.get(KEY, tokens)
+        self._lru.remove(KEY, tokens)
+        self._lru.push(KEY, tokens, entry.cache_type)
+
+    def put(self, tokens: list[int], caches: list[Any], kind: str, ceiling: int) -> None:
+        self.insert_cache(KEY, list(tokens), caches, cache_type=kind)
+        self.trim_to(n_bytes=ceiling)
+
+    def trim_bytes(self, ceiling: int) -> None:
+        self.trim_to(n_bytes=ceiling)
+
+
+@attrs.frozen
+class Take:
+    tokens: list[int] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    reply: trio.MemorySendChannel = attrs.field(repr=False)  # gets one Hit
+
+
+@attrs.frozen
+class Put:
+    tokens: list[int] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    caches: list[Any] = attrs.field(repr=False)
+    kind: str = "assistant"  # system (a boundary snapshot) | user | assistant (finished row)
+
+
+@attrs.frozen
+class Trim:
+    """Keep at most ``max_bytes`` (the budget minus the live batch)."""
+
+    max_bytes: int
+
+
+@attrs.define(eq=False)
+class PromptCacheActor:
+    gpu: Gpu
+    stats: Stats
+    max_entries: int = 10
+    max_bytes: int = 1 << 62
+    send: trio.MemorySendChannel = attrs.field(init=False)
+    _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
+    _store: Store = attrs.field(init=False)
+    _ceiling: int = attrs.field(init=False)  # the budget's share, lowered by Trim
+
+    def __attrs_post_init__(self) -> None:
+        self.send, self._receive = trio.open_memory_channel(MAILBOX_SIZE)
+        self._store = Store(max_size=self.max_entries, max_bytes=self.max_bytes)
+        self._ceiling = self.max_bytes
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with self._receive:
+            task_status.started()
+            async for message in self._receive:
+                await self.dispatch(message)
+                self.stats.post(
+                    Gauge("prompt_cache_entries", len(self._store)),
+                    Gauge("prompt_cache_bytes", self._store.nbytes),
+                )
+
+    async def dispatch(self, message: Take | Put | Trim) -> None:
+        match message:
+            case Take(tokens, reply):
+                hit = await self.gpu.call(self._store.take, tokens)
+                if hit.caches is None:
+                    self.stats.post(Count("prompt_cache_misses"))
+                else:
+                    self.stats.post(
+                        Count("prompt_cache_hits"), Count("prompt_cache_hit_tokens", hit.cached)
+                    )
+                # The asker may be gone (cancelled): then the clone just drops.
+                with reply, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
+                    reply.send_nowait(hit)
+            case Put(tokens, caches, kind):
+                await self.gpu.call(self._store.put, tokens, caches, kind, self._ceiling)
+            case Trim(max_bytes):
+                self._ceiling = min(self.max_bytes, max(0, max_bytes))
+                await self.gpu.call(self._store.trim_bytes, self._ceiling)
+            case _:
+                raise TypeError(f"prompt cache got an unexpected message: {message!r}")
+
+    async def take(self, tokens: list[int]) -> Hit:
+        """Ask for the longest usable cached prefix of ``tokens`` (a request-reply
+        through the mailbox; other actors call this from their own task)."""
+        send, receive = trio.open_memory_channel(1)
+        await self.send.send(Take(tokens, send))
+        with receive:
+            try:
+                return await receive.receive()
+            except trio.EndOfChannel:
+                return Hit(None, 0)
