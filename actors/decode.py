@@ -51,32 +51,33 @@ class StepResult:
     kv_bytes: int
     padding_waste: float
     seconds: float
-    saved: list[tuple[int, list[Any]]] = attrs.Factory(list)  # (row index, its caches)
 
 
-def _advance(
-    batch: Batch, keep: list[int] | None, save: list[int], joiners: list[Batch], step: int
-) -> StepResult:
-    """One GPU turn: leave (handing ``save`` rows' caches back), join, step (GPU thread)."""
+def _leave(batch: Batch, keep: list[int], save: list[int]) -> tuple[list[list[Any]], int]:
+    """Rows not in ``keep`` leave the batch; ``save`` rows' caches come back first
+    (a lone row's own caches, else extracted from the batch). GPU thread."""
+    if save and not batch.batched:
+        saved = [batch.caches]  # the lone row's own caches: no copy
+    else:
+        saved = [[c.extract(i) for c in batch.caches] for i in save]
+    batch.filter(keep)
+    return saved, batch.nbytes
+
+
+def _advance(batch: Batch, joiners: list[Batch], step: int) -> StepResult:
+    """One GPU turn: join, then step (GPU thread)."""
     import time
 
     import mlx.core as mx
 
     t0 = time.perf_counter()
-    saved = []
-    if save and not batch.batched:
-        saved = [(save[0], batch.caches)]  # the lone row's own caches: no copy
-    elif save:
-        saved = [(i, [c.extract(i) for c in batch.caches]) for i in save]
-    if keep is not None:
-        batch.filter(keep)
     for joiner in joiners:
         batch.join(joiner)
     sampled = batch.step() if len(batch) else []
     if step % CLEAR_CACHE_EVERY == 0:
         mx.clear_cache()
     seconds = time.perf_counter() - t0
-    return StepResult(sampled, batch.nbytes, batch.padding_waste(), seconds, saved)
+    return StepResult(sampled, batch.nbytes, batch.padding_waste(), seconds)
 
 
 @attrs.define(eq=False)
@@ -139,48 +140,64 @@ class Decode:
                 raise TypeError(f"decode got an unexpected message: {message!r}")
 
     async def _turn(self) -> None:
-        keep, save = None, []
         if self._leaving:
-            keep = [i for i, r in enumerate(self._rows) if r.id not in self._leaving]
-            if self.to_prompt_cache is not None:
-                save = [
-                    i
-                    for i, r in enumerate(self._rows)
-                    if r.id in self._leaving and len(r.prompt) >= PUT_MIN_PROMPT
-                ]
+            await self._leave()
         joins, self._joining = self._joining, []
-        leaving, self._leaving = self._leaving, {}
-        gone_order = list(self._rows)  # the batch order ``keep`` and ``save`` index into
-        gone = [r for r in self._rows if r.id in leaving]
-        self._rows = [r for r in self._rows if r.id not in leaving]
-        # A row cancelled while it waited to join never enters the batch.
-        dropped = [j for j in joins if j.row.id in leaving]
-        joins = [j for j in joins if j.row.id not in leaving]
+        if not joins and not self._rows:
+            return
         self._rows.extend(j.row for j in joins)
         self._steps += 1
         try:
             result = await self.gpu.call(
-                _advance, self._batch, keep, save, [j.joiner for j in joins], self._steps
+                _advance, self._batch, [j.joiner for j in joins], self._steps
             )
         except Exception as exc:
-            await self._fault(exc, gone + [j.row for j in dropped], leaving)
+            await self._fault(exc)
             return
-        by_index = dict(enumerate(gone_order))
-        for index, caches in result.saved:
-            row = by_index[index]
-            key = row.prompt + self._tokens.get(row.id, [])
-            await self.to_prompt_cache.send(Put(key, caches, "assistant"))
-        for row in gone + [j.row for j in dropped]:
-            self._tokens.pop(row.id, None)
-            if leaving[row.id] is not None:
-                await self.to_emitter.send(Terminal(row, "cancelled", leaving[row.id]))
-            await self.to_admission.send(Left(row.id))
         self._report(result)
         await self._emit(result.sampled)
         if result.sampled:
             self.steps_done += 1
             self._stepped.set()
             self._stepped = trio.Event()
+
+    async def _leave(self) -> None:
+        """Rows marked leaving go now: cancelled ones get their terminal event, every
+        one's slot goes back to admission, and (with a prompt cache) each one's KV
+        is handed to it before its slot is free."""
+        leaving, self._leaving = self._leaving, {}
+        # A row cancelled while it waited to join never enters the batch.
+        dropped = [j.row for j in self._joining if j.row.id in leaving]
+        self._joining = [j for j in self._joining if j.row.id not in leaving]
+        order = self._rows
+        gone = [r for r in order if r.id in leaving]
+        self._rows = [r for r in order if r.id not in leaving]
+        if gone:
+            keep = [i for i, r in enumerate(order) if r.id not in leaving]
+            save = []
+            if self.to_prompt_cache is not None:
+                save = [
+                    i
+                    for i, r in enumerate(order)
+                    if r.id in leaving and len(r.prompt) >= PUT_MIN_PROMPT
+                ]
+            try:
+                saved, kv_bytes = await self.gpu.call(_leave, self._batch, keep, save)
+            except Exception as exc:
+                await self._fault(exc, gone + dropped, leaving)
+                return
+            for i, caches in zip(save, saved, strict=True):
+                row = order[i]
+                key = row.prompt + self._tokens.get(row.id, [])
+                await self.to_prompt_cache.send(Put(key, caches, "assistant"))
+            self.stats.post(
+                Gauge("batch_kv_bytes", kv_bytes), Gauge("decoding_rows", len(self._rows))
+            )
+        for row in gone + dropped:
+            self._tokens.pop(row.id, None)
+            if leaving[row.id] is not None:
+                await self.to_emitter.send(Terminal(row, "cancelled", leaving[row.id]))
+            await self.to_admission.send(Left(row.id))
 
     async def wait_steps(self, n: int) -> None:
         """Wait until ``n`` decode steps have run since the engine started (for scripts)."""
@@ -209,12 +226,16 @@ class Decode:
             out.append(TokenOut(row, shown, s.logprob, s.top_logprobs, reason))
             if reason is not None:
                 self._leaving[row.id] = None
+        if self._leaving:
+            # Finished rows leave before their last event goes out: their KV is in
+            # the prompt cache and their slot free by the time a client can follow up.
+            await self._leave()
         if out:
             await self.to_emitter.send(Tokens(tuple(out)))
-        if self._leaving and len(self._leaving) == len(self._rows) and not self._joining:
-            await self._turn()  # free the KV now: nothing else would wake this loop
 
-    async def _fault(self, exc: Exception, gone: list[Row], leaving: dict) -> None:
+    async def _fault(
+        self, exc: Exception, gone: list[Row] = (), leaving: dict | None = None
+    ) -> None:
         """The step failed: every row in it fails, and the batch starts over empty."""
         message = f"batch step failed: {type(exc).__name__}: {exc}"
         self.stats.post(Count("batch_faults"))
@@ -225,7 +246,7 @@ class Decode:
             await self.to_emitter.send(Terminal(row, "error", message))
             await self.to_admission.send(Left(row.id))
         for row in gone:
-            reason = leaving.get(row.id)
+            reason = (leaving or {}).get(row.id)
             if reason is not None:
                 await self.to_emitter.send(Terminal(row, "cancelled", reason))
             await self.to_admission.send(Left(row.id))

@@ -103,11 +103,16 @@ def plan_turn(active: list[_Work], step_size: int) -> list[tuple[_Work, int]]:
     A joiner that has not started and shares a prefix of ``MIN_SHARED`` tokens or
     more with an earlier joiner still short of that point is held back, and the
     earlier one told to snapshot there: the shared part is computed once."""
+    # Every joiner not yet started is checked, budget or not, so that earlier ones
+    # learn where to snapshot before they pass that point.
+    waiting = {
+        id(w) for i, w in enumerate(active) if w.job is None and _waits_for_earlier(w, active[:i])
+    }
     plan, budget = [], step_size
-    for i, work in enumerate(active):
+    for work in active:
         if budget <= 0:
             break
-        if work.job is None and _waits_for_earlier(work, active[:i]):
+        if id(work) in waiting:
             continue
         left = len(work.row.prompt) - 1 - work.done
         take = min(budget, max(left, 0))

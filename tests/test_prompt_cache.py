@@ -1,0 +1,141 @@
+"""The prompt cache: copy-free takes, reuse that changes no token, shared system
+prompts computed once."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import pytest
+import trio
+from conftest import FAMILIES, checked_engine, golden, loaded
+from mlx_lm import stream_generate
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_nursery.actors.prompt_cache import Store, clone
+
+FAMILY = "llama"
+CASES = {c["prompt"]: c for c in golden(FAMILY)["serial"]}
+
+
+def filled_kv(n: int = 8) -> KVCache:
+    c = KVCache()
+    c.update_and_fetch(mx.ones((1, 2, n, 4)), mx.ones((1, 2, n, 4)))
+    mx.eval(c.keys, c.values)
+    return c
+
+
+def test_a_shared_handle_leaks_writes_and_a_view_handle_does_not():
+    original = filled_kv()
+    shared = copy.copy(original)  # same mx.array handles
+    shared.update_and_fetch(mx.full((1, 2, 1, 4), 7.0), mx.full((1, 2, 1, 4), 7.0))
+    mx.eval(shared.keys)
+    assert original.keys[0, 0, 8, 0].item() == 7.0, "a shared handle leaks the write"
+
+    original = filled_kv()
+    viewed = clone(original)
+    assert viewed.keys is not original.keys
+    viewed.update_and_fetch(mx.full((1, 2, 1, 4), 7.0), mx.full((1, 2, 1, 4), 7.0))
+    mx.eval(viewed.keys)
+    assert viewed.keys[0, 0, 8, 0].item() == 7.0
+    assert original.keys[0, 0, 8, 0].item() == 0.0, "a view handle keeps the original"
+    assert original.offset == 8 and viewed.offset == 9
+
+
+def test_a_clone_copies_no_kv():
+    big = filled_kv(4096)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    clones = [clone(big) for _ in range(8)]
+    mx.eval([c.keys for c in clones], [c.values for c in clones])
+    grown = mx.get_active_memory() - before
+    assert grown < big.nbytes // 4, f"8 clones of {big.nbytes} bytes grew memory by {grown}"
+
+
+def _prefilled(model, tokens):
+    caches = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_takes_trim_where_the_cache_allows_and_match_exactly_elsewhere(family):
+    model, _ = loaded(family)
+    prompt = golden(family)["prompts"]["long"]  # 216 tokens: past gemma's 16-token window
+    store = Store(max_size=10)
+    store.put(prompt[:100], _prefilled(model, prompt[:100]), "assistant", 1 << 40)
+    trimmable = family in ("llama", "qwen3")
+
+    hit = store.take(prompt[:60] + [1, 2, 3])  # shares 60 tokens with the 100-token entry
+    assert hit.cached == (60 if trimmable else 0)
+
+    hit = store.take(prompt[:150])  # the entry is a strict prefix: usable as it is
+    assert hit.cached == 100
+    assert [c.nbytes for c in hit.caches] == [c.nbytes for c in store._trie.get("model", prompt[:100]).prompt_cache]
+
+    hit = store.take(prompt[:100])  # equal: the last token must be forwarded again
+    assert hit.cached == (99 if trimmable else 0)
+
+
+async def test_eight_agents_share_a_system_prompt_computed_once():
+    model, tokenizer = loaded(FAMILY)
+    system = ("You are one of eight careful sub-agents working on one codebase. " * 24)[:1500]
+    asks = [f"Agent {i}: review module {i} and list its bugs." for i in range(8)]
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": a}] for a in asks]
+    prompts = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in chats]
+    shared = min(
+        next(i for i, (a, b) in enumerate(zip(p, prompts[0], strict=False)) if a != b)
+        for p in prompts[1:]
+    )
+    assert shared >= 1500
+    oracle = [
+        [r.token for r in stream_generate(model, tokenizer, p, max_tokens=12)] for p in prompts
+    ]
+    results = [None] * 8
+
+    async def agent(i):
+        results[i] = await engine.generate(chats[i], max_tokens=12)
+
+    async with checked_engine(FAMILY, batch=8, prefill_step_size=512) as engine:
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(agent, i)
+        await trio.testing.wait_all_tasks_blocked()
+        computed = engine.stats().prefill_tokens
+    suffixes = sum(len(p) - shared for p in prompts)
+    assert computed <= shared + suffixes + 8, (computed, shared, suffixes, [r.usage.cached_tokens for r in results], [len(p) for p in prompts])
+    for i, r in enumerate(results):
+        want = oracle[i][: oracle[i].index(258)] if 258 in oracle[i] else oracle[i]
+        assert r.tokens == want, i
+    cached = sorted(r.usage.cached_tokens for r in results)
+    assert cached[0] == 0 and all(c >= shared - 1 for c in cached[1:]), cached
+
+
+@pytest.mark.parametrize("batch", [1, 8], ids=["serial", "continuous"])
+async def test_turn_two_reuses_turn_one_prompt_and_answer(batch):
+    first = CASES["chat"]["prompt_ids"]
+    async with checked_engine(FAMILY, batch=batch) as engine:
+        one = await engine.generate(first, max_tokens=20)
+        follow = first + one.tokens + [258, 10] + list(b"more, please")
+        two = await engine.generate(follow, max_tokens=20)
+    async with checked_engine(FAMILY, batch=batch, prompt_cache_size=0) as cold_engine:
+        cold = await cold_engine.generate(follow, max_tokens=20)
+    assert two.usage.cached_tokens >= len(first) + len(one.tokens)
+    assert cold.usage.cached_tokens == 0
+    assert two.tokens == cold.tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_a_cache_hit_gives_the_same_tokens_as_a_cold_run(family):
+    g = golden(family)
+    base = g["prompts"]["long"]
+    async with checked_engine(family, batch=8) as engine:
+        first = await engine.generate(base, max_tokens=10)
+        follow = base + first.tokens + list(b" and then?")
+        warm = await engine.generate(follow, max_tokens=16)
+        assert warm.usage.cached_tokens > len(base) // 2, warm.usage
+        s = engine.stats()
+        assert s.prompt_cache_hits >= 1 and s.prompt_cache_entries >= 1
+    async with checked_engine(family, batch=8, prompt_cache_size=0) as cold_engine:
+        cold = await cold_engine.generate(follow, max_tokens=16)
+    assert warm.tokens == cold.tokens
