@@ -12,14 +12,15 @@ model; the actor only applies it.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Callable
 
 import attrs
 import trio
 
 from .emitter import Terminal
 from .gpu import Gpu
+from .prompt_cache import Trim
 from .request import Lane, Row
 from .stats import Gauge, Observe, Stats
 
@@ -56,13 +57,25 @@ class Plan:
 
 
 def plan(
-    queue: deque[Row], *, cap: int, in_batch: int, serial_running: bool, closing: bool
+    queue: deque[Row],
+    *,
+    cap: int,
+    in_batch: int,
+    serial_running: bool,
+    closing: bool,
+    budget: int | None = None,
+    live_bytes: int = 0,
 ) -> Plan:
-    """Pop the rows to admit now from the head of ``queue`` (mutates it)."""
+    """Pop the rows to admit now from the head of ``queue`` (mutates it).
+
+    Head of line, never reordered: a head that does not fit (slots, the serial
+    lane, the KV budget) holds every row behind it."""
     to_batch: list[Row] = []
     to_serial = None
     while queue and not closing:
         head = queue[0]
+        if budget is not None and live_bytes + head.kv_projected > budget:
+            break  # queue, don't OOM: it joins when enough live rows have left
         if head.lane is Lane.SERIAL:
             if in_batch + len(to_batch) == 0 and not serial_running and to_serial is None:
                 to_serial = queue.popleft()
@@ -70,6 +83,7 @@ def plan(
         if serial_running or to_serial is not None or in_batch + len(to_batch) >= cap:
             break
         to_batch.append(queue.popleft())
+        live_bytes += head.kv_projected
     return Plan(tuple(to_batch), to_serial)
 
 
@@ -81,11 +95,13 @@ class Admission:
     to_prefill: trio.MemorySendChannel
     to_serial: trio.MemorySendChannel
     to_emitter: trio.MemorySendChannel
-    prompt_cache: Callable[[Row], None] | None = None  # seam for the prompt-cache actor
+    budget: int | None = None  # KV bytes the admitted rows may project to
+    to_prompt_cache: trio.MemorySendChannel | None = None  # gets Trim as the live KV moves
     send: trio.MemorySendChannel = attrs.field(init=False)
     _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
     _queue: deque[Row] = attrs.field(factory=deque, init=False)
     _lanes: dict[int, Lane] = attrs.field(factory=dict, init=False)  # admitted rows
+    _projected: dict[int, int] = attrs.field(factory=dict, init=False)  # their KV bytes
     _closing: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -100,14 +116,30 @@ class Admission:
         return any(lane is Lane.SERIAL for lane in self._lanes.values())
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with self._receive, self.to_prefill, self.to_serial, self.to_emitter:
+        cache = self.to_prompt_cache or contextlib.nullcontext()
+        with self._receive, self.to_prefill, self.to_serial, self.to_emitter, cache:
             task_status.started()
+            live = 0
             async for message in self._receive:
                 await self.dispatch(message)
                 await self._admit()
+                now_live = sum(self._projected.values())
                 self.stats.post(
-                    Gauge("pending_rows", len(self._queue)), Gauge("active_rows", len(self._lanes))
+                    Gauge("pending_rows", len(self._queue)),
+                    Gauge("active_rows", len(self._lanes)),
+                    Gauge("kv_projected_bytes", now_live),
                 )
+                if now_live != live:
+                    live = now_live
+                    self._trim_prompt_cache(live)
+
+    def _trim_prompt_cache(self, live: int) -> None:
+        """The prompt cache and the live rows share the budget: the cache keeps what
+        the live rows leave (mlx-lm trims its cache to total minus active)."""
+        if self.budget is None or self.to_prompt_cache is None:
+            return
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
+            self.to_prompt_cache.send_nowait(Trim(self.budget - live))
 
     async def dispatch(self, message: Submit | Cancel | Left | Shutdown) -> None:
         match message:
@@ -119,6 +151,7 @@ class Admission:
             case Cancel(row_id, reason):
                 await self._cancel(row_id, reason)
             case Left(row_id):
+                self._projected.pop(row_id, None)
                 lane = self._lanes.pop(row_id, None)
                 if lane is not None and not any(v is lane for v in self._lanes.values()):
                     self.gpu.give_lane(lane.value)
@@ -149,14 +182,15 @@ class Admission:
             in_batch=self._in_batch,
             serial_running=self._serial_running,
             closing=self._closing,
+            budget=self.budget,
+            live_bytes=sum(self._projected.values()),
         )
         now = trio.current_time()
         for row in (*p.to_batch, *([p.to_serial] if p.to_serial else [])):
             if self.gpu.lane != row.lane.value:
                 self.gpu.take_lane(row.lane.value)
             self._lanes[row.id] = row.lane
+            self._projected[row.id] = row.kv_projected
             self.stats.post(Observe("queue_wait", now - row.times.submitted))
-            if self.prompt_cache is not None:
-                self.prompt_cache(row)
             target = self.to_serial if row.lane is Lane.SERIAL else self.to_prefill
             await target.send(Submit(row))

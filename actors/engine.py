@@ -24,6 +24,7 @@ import attrs
 import trio
 
 from .admission import Admission, Cancel, Shutdown, Submit
+from .budget import LayerCost, auto_budget, parse_budget, probe, project
 from .decode import Decode
 from .emitter import Emitter
 from .errors import ContextOverflow, EngineClosed, GenerationFailed, InvalidRequest
@@ -53,6 +54,8 @@ class ModelInfo:
     context_length: int | None
     eos: frozenset[int]
     cache_kinds: tuple[str, ...]
+    kv_costs: tuple[LayerCost, ...]  # per layer: how its KV bytes grow with length
+    weights_bytes: int
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -74,6 +77,8 @@ def _load(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
         mx.eval(model.parameters())
+    from mlx.utils import tree_flatten
+
     caches = make_prompt_cache(model)
     args = getattr(model, "args", None)
     context = getattr(args, "max_position_embeddings", None)
@@ -82,6 +87,8 @@ def _load(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
         context_length=int(context) if context else None,
         eos=frozenset(tokenizer.eos_token_ids),
         cache_kinds=tuple(type(c).__name__ for c in caches),
+        kv_costs=probe(model),
+        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
     )
     return model, tokenizer, info
 
@@ -157,6 +164,8 @@ class Engine:
     _admission: Admission
     _decode: Decode
     _template: dict[str, Any] = attrs.field(factory=dict)  # chat template overrides and args
+    prefill_step_size: int = 2048
+    kv_budget: int | None = None  # bytes the live rows may project to; None: no budget
     _ids: itertools.count = attrs.field(factory=lambda: itertools.count(1))
     _closed: bool = False
 
@@ -174,6 +183,8 @@ class Engine:
             ids, boundary = self._encode(prompt)
             row_params = self._params(params)
             self._check_context(ids, row_params)
+            kv = self.project(len(ids) + row_params.max_tokens)
+            self._check_budget(ids, row_params, kv)
         except InvalidRequest:
             self.stats_actor.post(Count("rejected"))
             raise
@@ -186,6 +197,7 @@ class Engine:
             events=send,
             times=RowTimes(submitted=trio.current_time()),
             snapshot_at=boundary,
+            kv_projected=kv,
         )
         return RequestStream(self, row, receive)
 
@@ -322,6 +334,29 @@ class Engine:
                 param="max_tokens",
             )
 
+    def project(self, tokens: int) -> int:
+        """Worst-case KV bytes of one row holding ``tokens`` tokens."""
+        return project(self.info.kv_costs, tokens, self.prefill_step_size)
+
+    def _check_budget(self, ids: list[int], params: SamplingParams, kv: int) -> None:
+        budget = self.kv_budget
+        if budget is None or kv <= budget:
+            return
+        fits = max(
+            (n for n in range(0, params.max_tokens, 16) if self.project(len(ids) + n) <= budget),
+            default=None,
+        )
+        hint = (
+            f"lower max_tokens to {fits:,} or less, or raise the KV budget"
+            if fits
+            else "shorten the prompt or raise the KV budget"
+        )
+        raise InvalidRequest(
+            f"this request needs up to {kv:,} bytes of KV cache (prompt {len(ids):,} tokens "
+            f"+ max_tokens {params.max_tokens:,}); the KV budget is {budget:,} bytes: {hint}",
+            param="max_tokens",
+        )
+
     def place(self, params: SamplingParams) -> Lane:
         """Serial when batching is off or impossible, or a seed asks for reproducibility."""
         if self.cap <= 1 or not self.info.batchable or params.seed is not None:
@@ -360,6 +395,7 @@ async def open_engine(
     prompt_cache_bytes: int | None = None,
     chat_template: str | None = None,
     chat_template_args: Mapping[str, Any] | None = None,
+    kv_budget: int | str | None = None,
 ) -> AsyncIterator[Engine]:
     """Start the actor graph in a nursery of its own; yields once every actor runs.
 
@@ -368,9 +404,12 @@ async def open_engine(
     casts the weights (``auto``: float32 on a CPU device, else as stored).
     ``prompt_cache_size`` / ``prompt_cache_bytes`` cap the prompt cache (entries,
     bytes; a size of 0 turns it off). ``chat_template`` replaces the tokenizer's;
-    ``chat_template_args`` go to every rendering. On exit, rows still in flight
-    are cancelled and each gets its terminal event.
+    ``chat_template_args`` go to every rendering. ``kv_budget`` (bytes, ``"auto"``
+    or None) caps the KV the live rows may project to: rows queue until they
+    fit, a row that never could is refused, the prompt cache gets what is left.
+    On exit, rows still in flight are cancelled and each gets its terminal event.
     """
+    kv_budget = parse_budget(kv_budget)
     if dtype is not None and dtype not in DTYPES:
         raise InvalidRequest(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if batch < 1:
@@ -383,7 +422,8 @@ async def open_engine(
         loaded, tokenizer, info = await gpu.call(_load, model, dtype)
         if context_length is not None:
             info = attrs.evolve(info, context_length=context_length)
-        stats = Stats(configured=batch, mode=_mode(batch, info.batchable))
+        budget = auto_budget(info.weights_bytes) if kv_budget == "auto" else kv_budget
+        stats = Stats(configured=batch, mode=_mode(batch, info.batchable), kv_budget_bytes=budget)
         cache = None
         if prompt_cache_size > 0:
             cache = PromptCacheActor(gpu, stats, prompt_cache_size, prompt_cache_bytes or 1 << 62)
@@ -397,6 +437,8 @@ async def open_engine(
             loaded, gpu, stats, prefill_step_size, decode.send, emitter.send.clone(), None, cache
         )
         admission = Admission(batch, gpu, stats, prefill.send, serial.send, emitter.send)
+        admission.budget = budget
+        admission.to_prompt_cache = cache.send.clone() if cache else None
         decode.to_admission = admission.send.clone()
         serial.to_admission = admission.send.clone()
         prefill.to_admission = admission.send.clone()
@@ -404,8 +446,9 @@ async def open_engine(
         if chat_template is not None:
             template["chat_template"] = chat_template
         engine = Engine(
-            loaded, tokenizer, info, batch, max_tokens, stats, admission, decode, template
-        )
+            loaded, tokenizer, info, batch, max_tokens, stats, admission, decode, template,
+            prefill_step_size, budget,
+        )  # fmt: skip
         # The actors run shielded from the caller's cancellation: a caller cancelled
         # from outside still gets the graceful shutdown below (every row its
         # terminal event), then the actors are cancelled on purpose.

@@ -171,6 +171,7 @@ class Row:
     # Where the prompt's last message starts (chat prompts): a boundary snapshot
     # there lets the next turn of the conversation reuse everything before it.
     snapshot_at: int | None = None
+    kv_projected: int = 0  # worst-case KV bytes (prompt + max_tokens), for the budget
     completion_tokens: int = 0  # written by the emitter
     # Emitter-owned delivery state: set once the terminal event has been sent.
     done: bool = False

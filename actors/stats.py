@@ -88,7 +88,7 @@ COUNTERS = (
 GAUGES = (
     "active_rows", "pending_rows", "decoding_rows",
     "batch_kv_bytes", "prefill_kv_bytes", "serial_kv_bytes", "padding_waste",
-    "prompt_cache_entries", "prompt_cache_bytes",
+    "prompt_cache_entries", "prompt_cache_bytes", "kv_projected_bytes",
 )  # fmt: skip
 HISTOGRAMS = ("time_to_first_token", "queue_wait", "step_time")
 
@@ -109,6 +109,7 @@ class StatsSnapshot:
     rejected: int  # refused at submit (never admitted; not in the ledger)
     kv_bytes: int  # live KV: the batch, prefills in flight, the serial row (prompt cache apart)
     kv_budget_bytes: int | None
+    kv_projected_bytes: int  # worst case of the admitted rows, what the budget is held to
     padding_waste: float  # fraction of the batch KV width that is left padding
     steps: int
     prompt_tokens: int
@@ -188,6 +189,7 @@ class Stats:
             decoding_rows=int(g["decoding_rows"]),
             kv_bytes=int(g["batch_kv_bytes"] + g["prefill_kv_bytes"] + g["serial_kv_bytes"]),
             kv_budget_bytes=self.kv_budget_bytes,
+            kv_projected_bytes=int(g["kv_projected_bytes"]),
             padding_waste=float(g["padding_waste"]),
             prompt_cache_entries=int(g["prompt_cache_entries"]),
             prompt_cache_bytes=int(g["prompt_cache_bytes"]),

@@ -54,6 +54,7 @@ class Settings:
     context_length: int | None = None
     prompt_cache_size: int = 10
     prompt_cache_bytes: int | None = None
+    kv_budget: int | str | None = None
 
 
 @attrs.define(eq=False)
@@ -86,6 +87,7 @@ class ServerState:
                 prompt_cache_bytes=s.prompt_cache_bytes,
                 chat_template=s.chat_template,
                 chat_template_args=s.chat_template_args,
+                kv_budget=s.kv_budget,
             ) as engine:
                 self.engine, self.phase = engine, "serving"
                 log.info("serving %s (batch %d, mode %s)", s.model, s.batch, engine.stats().mode)

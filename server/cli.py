@@ -8,6 +8,7 @@ import logging
 import sys
 
 import trio
+from mlx_nursery.actors.budget import parse_budget, parse_bytes
 from mlx_nursery.actors.engine import DTYPES
 
 from . import bench
@@ -23,20 +24,18 @@ def _positive(value: str) -> int:
     return n
 
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
 def _bytes(value: str) -> int:
-    """A byte count: 1234, 512M, 2G, 1.5G (binary units; a trailing B or iB is fine)."""
-    text = value.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = text[-1:] if text[-1:] in _UNITS and text[-1:] else ""
     try:
-        n = float(text[: len(text) - len(unit)]) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte count: {value!r} (try 512M or 2G)") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value!r}")
-    return int(n)
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _budget(value: str) -> int | str:
+    try:
+        return parse_budget(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _json_object(value: str) -> dict:
@@ -107,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON object of extra arguments for the chat template",
     )
     s.add_argument(
+        "--kv-budget",
+        type=_budget,
+        default=None,
+        help="KV cache bytes the live rows may project to (e.g. 8G), or auto (device "
+        "memory minus weights and 20%% headroom); rows that do not fit wait in the queue, "
+        "a row that could never fit is refused (default: no budget)",
+    )
+    s.add_argument(
         "--prompt-cache-size",
         type=int,
         default=10,
@@ -161,6 +168,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        kv_budget=args.kv_budget,
     )
 
 

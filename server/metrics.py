@@ -20,6 +20,9 @@ _COUNTERS = {
     "prefill_tokens": ("prefill_tokens_total", "Prompt tokens actually computed."),
     "generated_tokens": ("generated_tokens_total", "Tokens delivered to clients."),
     "batch_faults": ("batch_faults_total", "Batch steps that failed (every row errored)."),
+    "prompt_cache_hits": ("prompt_cache_hits_total", "Prompt-cache takes that found a prefix."),
+    "prompt_cache_misses": ("prompt_cache_misses_total", "Prompt-cache takes that found none."),
+    "prompt_cache_hit_tokens": ("prompt_cache_hit_tokens_total", "Prompt tokens served cached."),
 }
 _GAUGES = {
     "configured": ("batch_configured", "The concurrency cap (--batch)."),
@@ -28,6 +31,10 @@ _GAUGES = {
     "decoding_rows": ("decoding_rows", "Rows in the continuous batch."),
     "kv_bytes": ("kv_bytes", "Live KV cache bytes (batch and prefills)."),
     "padding_waste": ("padding_waste_ratio", "Fraction of the batch KV width that is padding."),
+    "kv_projected_bytes": ("kv_projected_bytes", "Worst-case KV of the admitted rows."),
+    "kv_budget_bytes": ("kv_budget_bytes", "The KV budget (-1: none)."),
+    "prompt_cache_entries": ("prompt_cache_entries", "Prompt-cache entries."),
+    "prompt_cache_bytes": ("prompt_cache_bytes", "Prompt-cache bytes."),
 }
 _HISTOGRAMS = {
     "time_to_first_token": ("time_to_first_token_seconds", "Submit to first token."),
@@ -59,7 +66,8 @@ def prometheus(s: StatsSnapshot) -> str:
         out += [f"# HELP {full} {help_}", f"# TYPE {full} counter", f"{full} {getattr(s, field)}"]
     for field, (name, help_) in _GAUGES.items():
         full = f"{PREFIX}_{name}"
-        value = _fmt(getattr(s, field))
+        raw = getattr(s, field)
+        value = _fmt(-1 if raw is None else raw)
         out += [f"# HELP {full} {help_}", f"# TYPE {full} gauge", f"{full} {value}"]
     mode = f"{PREFIX}_mode"
     out += [f"# HELP {mode} Batching mode (1 for the current one).", f"# TYPE {mode} gauge"]
