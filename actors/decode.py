@@ -71,8 +71,7 @@ def _advance(batch: Batch, joiners: list[Batch], step: int) -> StepResult:
     import mlx.core as mx
 
     t0 = time.perf_counter()
-    for joiner in joiners:
-        batch.join(joiner)
+    batch.join(joiners)
     sampled = batch.step() if len(batch) else []
     if step % CLEAR_CACHE_EVERY == 0:
         mx.clear_cache()

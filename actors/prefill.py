@@ -122,12 +122,17 @@ def plan_turn(active: list[_Work], step_size: int) -> list[tuple[_Work, int]]:
 
 
 def _waits_for_earlier(work: _Work, earlier: list[_Work]) -> bool:
+    """Hold ``work`` back while an earlier joiner computes a prefix they share and
+    ``work``'s own take does not cover (by ``MIN_SHARED`` tokens or more); tell
+    that joiner to snapshot there. A held-back joiner takes again once released."""
     waits = False
     for other in earlier:
         shared = min(shared_prefix(work.row.prompt, other.row.prompt), len(work.row.prompt) - 1)
-        if shared >= MIN_SHARED and other.done < shared:
+        if shared - work.done >= MIN_SHARED and other.done < shared:
             other.snapshot_at.add(min(shared, len(other.row.prompt) - 1))
             waits = True
+    if waits:
+        work.hit = None  # stale by the time it may start: take again then
     return waits
 
 
@@ -195,10 +200,10 @@ class PrefillActor:
         self._report()
 
     async def _turn(self) -> None:
-        plan = plan_turn(self._active, self.step_size)
-        for work, _ in plan:
+        for work in self._active:  # arrivals (and joiners released from waiting) take
             if work.job is None and work.hit is None:
                 await self._take_cached(work)
+        plan = plan_turn(self._active, self.step_size)
         results = await self.gpu.call(prefill_turn, self.model, plan, self.step_size)
         now = trio.current_time()
         for (work, _), done in zip(plan, results, strict=True):

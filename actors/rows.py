@@ -125,27 +125,39 @@ class Batch:
 
     # -- membership -------------------------------------------------------------
 
-    def join(self, other: Batch) -> None:
-        """Take ``other``'s rows (a primed joiner) into this batch, by cache kind:
-        adopt its caches when empty, else merge (lone row) or extend (batch)."""
-        if not self.slots:
+    def join(self, joiners: Sequence[Batch]) -> None:
+        """Take the primed joiners' rows into this batch, by cache kind: adopt a lone
+        joiner's caches when the batch is empty; otherwise merge every solo cache
+        (a lone running row's and the joiners') in one pass, or merge the joiners
+        and extend the running batch once. Each row's KV is copied at most twice
+        however many join at once (one extend per joiner would recopy the batch)."""
+        if not joiners:
+            return
+        if any(j.batched for j in joiners):
+            raise ValueError("a joiner arrives on solo caches")
+        if not self.slots and len(joiners) == 1:
+            (other,) = joiners
             self.caches, self.batched = other.caches, other.batched
             self.next_tokens, self.next_logprobs = other.next_tokens, list(other.next_logprobs)
         else:
-            if other.batched:
-                raise ValueError("a joiner arrives on solo caches")
-            if self.batched:
-                for c, j in zip(self.caches, other.caches, strict=True):
-                    c.extend(type(j).merge([j]))
+            solo = [j.caches for j in joiners]
+            if self.slots and not self.batched:
+                solo.insert(0, self.caches)
+            layers = list(zip(*solo, strict=True))
+            if self.slots and self.batched:
+                for c, js in zip(self.caches, layers, strict=True):
+                    c.extend(type(js[0]).merge(list(js)))
             else:
-                self.caches = [
-                    type(c).merge([c, j]) for c, j in zip(self.caches, other.caches, strict=True)
-                ]
-                self.batched = True
-            self.next_tokens = mx.concatenate([self.next_tokens, other.next_tokens])
-            self.next_logprobs.extend(other.next_logprobs)
-        self.slots.extend(other.slots)
-        other.slots, other.caches, other.next_tokens, other.next_logprobs = [], None, None, []
+                self.caches = [type(js[0]).merge(list(js)) for js in layers]
+            self.batched = True
+            pending = [self.next_tokens] if self.slots else []
+            self.next_tokens = mx.concatenate(pending + [j.next_tokens for j in joiners])
+            self.next_logprobs = self.next_logprobs + [
+                lp for j in joiners for lp in j.next_logprobs
+            ]
+        for j in joiners:
+            self.slots.extend(j.slots)
+            j.slots, j.caches, j.next_tokens, j.next_logprobs = [], None, None, []
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep only the slots at ``keep`` (indices); the rest leave and their KV is freed."""

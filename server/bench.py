@@ -116,7 +116,7 @@ class Report:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-async def _one(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> RequestRecord:
+async def one_request(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> RequestRecord:
     rec = RequestRecord(start=time.perf_counter())
     body = {
         "model": spec.model,
@@ -169,7 +169,7 @@ async def run_load(spec: LoadSpec, progress=None) -> Report:
 
         async def worker() -> None:
             for i in next_index:
-                records.append(await _one(client, spec, texts[i]))
+                records.append(await one_request(client, spec, texts[i]))
                 if progress:
                     progress(len(records), spec.requests)
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -31,7 +33,7 @@ import attrs
 import httpx
 import trio
 
-from .bench import LoadSpec, prompts, run_load
+from .bench import WORDS, LoadSpec, one_request, prompts, run_load
 from .serve import OPENBLAS_ENV, find_openblas
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,7 +179,45 @@ def load(server: Server, clients: int, requests: int) -> dict:
     return attrs.asdict(trio.run(run_load, spec, None))
 
 
-def http(model: str, repeats: int) -> dict:
+async def _ttft(client: httpx.AsyncClient, prompt: str) -> float:
+    """Seconds to the first streamed content token of one 16-token completion."""
+    rec = await one_request(client, LoadSpec(url="", max_tokens=16), prompt)
+    return math.nan if rec.first is None else rec.first - rec.start
+
+
+def shared_prefix_prompts(tokenizer, tokens: int = 2000, agents: int = 8) -> list[str]:
+    """Eight agent prompts: one ~``tokens``-token system prompt, then each its own task."""
+    words, rng = [], random.Random(7)
+    while len(tokenizer.encode(" ".join(words))) < tokens:
+        words += [rng.choice(WORDS) for _ in range(50)]
+    prefix = " ".join(words)
+    return [
+        f"{prefix}\nAgent {i}: your task is module {i}; report in one line." for i in range(agents)
+    ]
+
+
+def shared_prefix(server: Server, prompts: list[str]) -> dict:
+    """Agent 1 alone first (it computes the shared prompt), then agents 2-8 at once."""
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+            first = await _ttft(client, prompts[0])
+            rest = [0.0] * (len(prompts) - 1)
+
+            async def agent(i):
+                rest[i - 1] = await _ttft(client, prompts[i])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(1, len(prompts)):
+                    nursery.start_soon(agent, i)
+            return first, rest
+
+    first, rest = trio.run(go)
+    return {"agent1_ttft": first, "others_ttft": rest,
+            "ratio_median": statistics.median(rest) / first}  # fmt: skip
+
+
+def http(model: str, repeats: int, tokenizer) -> dict:
     ours = Server(
         "mlx-nursery",
         [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", model,
@@ -204,6 +244,13 @@ def http(model: str, repeats: int) -> dict:
         for clients in (1, 2, 4, 8):
             for key, server in (("ours", ours), ("mlx_lm", theirs)):
                 out["sweep"][key][clients] = load(server, clients, 2 * clients)
+        prompts = shared_prefix_prompts(tokenizer)
+        out["shared_prefix"] = {"prompt_tokens": len(tokenizer.encode(prompts[0]))}
+        for key, server in (("ours", ours), ("mlx_lm", theirs)):
+            r = out["shared_prefix"][key] = shared_prefix(server, prompts)
+            print(f"  shared prefix {server.name}: agent 1 TTFT {r['agent1_ttft'] * 1e3:.0f} ms, "
+                  f"agents 2-8 median {statistics.median(r['others_ttft']) * 1e3:.0f} ms "
+                  f"({r['ratio_median']:.3f}x)", flush=True)  # fmt: skip
     return out
 
 
@@ -294,6 +341,23 @@ def markdown(results: dict) -> str:
                      f"{b['aggregate_tokens_per_second']:.1f} | {a['ttft_p95'] * 1e3:.0f} | "
                      f"{b['ttft_p95'] * 1e3:.0f} |")  # fmt: skip
     lines += ["", "![HTTP comparison by clients](bench/http_clients.png)"]
+    sp = results["http"].get("shared_prefix")
+    if sp:
+        lines += [
+            "",
+            f"Shared system prompt ({sp['prompt_tokens']:,} tokens): agent 1 alone, then agents "
+            "2-8 at once, each with its own last line (TTFT, 16-token answers):",
+            "",
+            "| server | agent 1 TTFT (ms) | agents 2-8 TTFT median / max (ms) | ratio (median) |",
+            "| --- | --- | --- | --- |",
+        ]
+        for key, label in (("ours", "mlx-nursery"), ("mlx_lm", "mlx_lm.server")):
+            r = sp[key]
+            lines.append(
+                f"| {label} | {r['agent1_ttft'] * 1e3:.0f} | "
+                f"{statistics.median(r['others_ttft']) * 1e3:.0f} / "
+                f"{max(r['others_ttft']) * 1e3:.0f} | {r['ratio_median']:.3f}x |"
+            )
     return "\n".join(lines)
 
 
@@ -364,7 +428,7 @@ def main() -> int:
         ],
     }
     if not args.skip_http:
-        results["http"] = http(args.model, args.repeats)
+        results["http"] = http(args.model, args.repeats, tokenizer)
         write_docs(results)
     print(markdown(results) if "http" in results else json.dumps(results["engine"], indent=1))
     return 0
