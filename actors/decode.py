@@ -12,13 +12,13 @@ on with whatever joins next.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection
 from typing import Any
 
 import attrs
 import trio
 
 from .admission import Cancel, Left
+from .decode_rules import finish_reason
 from .emitter import Terminal, TokenOut, Tokens
 from .gpu import Gpu
 from .prefill import Join
@@ -29,15 +29,6 @@ from .stats import Count, Gauge, Observe, Stats
 
 MAILBOX_SIZE = 4096
 CLEAR_CACHE_EVERY = 256  # steps between mx.clear_cache(), as generate_step does
-
-
-def finish_reason(row: Row, token: int, generated: int, eos: Collection[int]) -> str | None:
-    """Why ``row`` ends on ``token``, its ``generated``-th token (1-based), if it does."""
-    if token in eos or token in row.params.stop_token_ids:
-        return "stop"
-    if generated >= row.params.max_tokens:
-        return "length"
-    return None
 
 
 # A leaving row's KV is handed to the prompt cache when its prompt has at least
@@ -53,7 +44,7 @@ class StepResult:
     seconds: float
 
 
-def _leave(batch: Batch, keep: list[int], save: list[int]) -> tuple[list[list[Any]], int]:
+def _leave(batch: Batch, keep: list[int], save: list[int]) -> tuple[list[list[Any]], int, float]:
     """Rows not in ``keep`` leave the batch; ``save`` rows' caches come back first
     (a lone row's own caches, else extracted from the batch). GPU thread."""
     if save and not batch.batched:
@@ -61,7 +52,7 @@ def _leave(batch: Batch, keep: list[int], save: list[int]) -> tuple[list[list[An
     else:
         saved = [[c.extract(i) for c in batch.caches] for i in save]
     batch.filter(keep)
-    return saved, batch.nbytes
+    return saved, batch.nbytes, batch.padding_waste()
 
 
 def _advance(batch: Batch, joiners: list[Batch], step: int) -> StepResult:
@@ -97,6 +88,7 @@ class Decode:
     _steps: int = attrs.field(default=0, init=False)  # GPU turns taken
     steps_done: int = attrs.field(default=0, init=False)  # turns that stepped at least one row
     _tokens: dict[int, list[int]] = attrs.field(factory=dict, init=False)  # read per row
+    _first_pending: set[int] = attrs.field(factory=set, init=False)  # joined, token 0 unread
     _stepped: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each step
 
     def __attrs_post_init__(self) -> None:
@@ -126,8 +118,10 @@ class Decode:
 
     def _take(self, message: Join | Cancel) -> None:
         match message:
-            case Join():
+            case Join(row, _, first_token):
                 self._joining.append(message)
+                self._tokens[row.id] = [first_token]
+                self._first_pending.add(row.id)
             case Cancel(row_id, reason):
                 if any(r.id == row_id for r in self._rows):
                     self._leaving.setdefault(row_id, reason)
@@ -181,7 +175,7 @@ class Decode:
                     if r.id in leaving and len(r.prompt) >= PUT_MIN_PROMPT
                 ]
             try:
-                saved, kv_bytes = await self.gpu.call(_leave, self._batch, keep, save)
+                saved, kv_bytes, waste = await self.gpu.call(_leave, self._batch, keep, save)
             except Exception as exc:
                 await self._fault(exc, gone + dropped, leaving)
                 return
@@ -190,10 +184,13 @@ class Decode:
                 key = row.prompt + self._tokens.get(row.id, [])
                 await self.to_prompt_cache.send(Put(key, caches, "assistant"))
             self.stats.post(
-                Gauge("batch_kv_bytes", kv_bytes), Gauge("decoding_rows", len(self._rows))
+                Gauge("batch_kv_bytes", kv_bytes),
+                Gauge("decoding_rows", len(self._rows)),
+                Gauge("padding_waste", waste),
             )
         for row in gone + dropped:
             self._tokens.pop(row.id, None)
+            self._first_pending.discard(row.id)
             if leaving[row.id] is not None:
                 await self.to_emitter.send(Terminal(row, "cancelled", leaving[row.id]))
             await self.to_admission.send(Left(row.id))
@@ -218,6 +215,9 @@ class Decode:
         by_id = {r.id: r for r in self._rows}
         for s in sampled:
             row = by_id[s.row_id]
+            if row.id in self._first_pending:  # the first token, delivered by prefill
+                self._first_pending.discard(row.id)
+                continue
             tokens = self._tokens.setdefault(row.id, [])
             tokens.append(s.token)  # read = fed: exactly what the row's KV holds
             reason = finish_reason(row, s.token, len(tokens), self.eos)

@@ -434,7 +434,15 @@ async def open_engine(
             loaded, gpu, stats, info.eos, prefill_step_size, emitter.send.clone(), None, cache
         )
         prefill = PrefillActor(
-            loaded, gpu, stats, prefill_step_size, decode.send, emitter.send.clone(), None, cache
+            loaded,
+            gpu,
+            stats,
+            prefill_step_size,
+            info.eos,
+            decode.send,
+            emitter.send.clone(),
+            None,
+            cache,
         )
         admission = Admission(batch, gpu, stats, prefill.send, serial.send, emitter.send)
         admission.budget = budget

@@ -18,11 +18,12 @@ import attrs
 import trio
 
 from .admission import Cancel, Left, Submit
-from .emitter import Terminal
+from .decode_rules import finish_reason
+from .emitter import Terminal, TokenOut, Tokens
 from .gpu import Gpu
 from .prompt_cache import Hit, PromptCacheActor, Put
 from .request import Row
-from .rows import Batch, Prefill
+from .rows import Batch, Prefill, Sampled
 from .stats import Count, Gauge, Stats
 
 MAILBOX_SIZE = 4096
@@ -30,10 +31,12 @@ MAILBOX_SIZE = 4096
 
 @attrs.frozen
 class Join:
-    """A primed row, ready to join the running batch."""
+    """A primed row, ready to join the running batch. Its first token was already
+    delivered; the batch's first step reads it again and must not re-emit it."""
 
     row: Row
     joiner: Batch = attrs.field(repr=False)
+    first_token: int
 
 
 @attrs.define(eq=False)
@@ -66,6 +69,7 @@ class _Done:
 
     tokens: int
     primed: Batch | None = None
+    first: Sampled | None = None  # the row's first token, read at once
     error: BaseException | None = None
 
 
@@ -84,12 +88,21 @@ def prefill_turn(model: Any, plan: list[tuple[_Work, int]], step_size: int) -> l
             done = 0
             while done < budget and work.job.remaining > 0:
                 done += work.job.chunk(budget - done)
-            primed = work.job.prime() if work.job.remaining == 0 else None
-            results.append(_Done(done + (primed is not None), primed))
+            primed = first = None
+            if work.job.remaining == 0:
+                primed = work.job.prime()
+                first = primed.read_first()
+            results.append(_Done(done + (primed is not None), primed, first))
         except Exception as exc:
             results.append(_Done(0, error=exc))
     return results
 
+
+# A turn ends once this many joiners have their prompt in: their first tokens go
+# out then, instead of waiting for every short prompt that arrived with them.
+# (One a turn put a decode step between every two short prompts; all at once made
+# the first joiner wait for the last.)
+PRIMES_PER_TURN = 2
 
 # Joiners sharing at least this many prompt tokens with an earlier joiner wait for
 # its snapshot there instead of computing the shared part again.
@@ -108,9 +121,9 @@ def plan_turn(active: list[_Work], step_size: int) -> list[tuple[_Work, int]]:
     waiting = {
         id(w) for i, w in enumerate(active) if w.job is None and _waits_for_earlier(w, active[:i])
     }
-    plan, budget = [], step_size
+    plan, budget, primes = [], step_size, 0
     for work in active:
-        if budget <= 0:
+        if budget <= 0 or primes >= PRIMES_PER_TURN:
             break
         if id(work) in waiting:
             continue
@@ -118,6 +131,7 @@ def plan_turn(active: list[_Work], step_size: int) -> list[tuple[_Work, int]]:
         take = min(budget, max(left, 0))
         plan.append((work, take))
         budget -= max(take, 1)
+        primes += take == left
     return plan
 
 
@@ -142,6 +156,7 @@ class PrefillActor:
     gpu: Gpu
     stats: Stats
     step_size: int
+    eos: frozenset[int]
     to_decode: trio.MemorySendChannel
     to_emitter: trio.MemorySendChannel
     to_admission: trio.MemorySendChannel
@@ -219,8 +234,22 @@ class PrefillActor:
                 await self._end(work.row, "cancelled", work.cancelled)
             else:
                 work.row.times.prefill_ended = now
-                await self.to_decode.send(Join(work.row, done.primed))
+                await self._first_token(work.row, done)
         self._report()
+
+    async def _first_token(self, row: Row, done: _Done) -> None:
+        """Deliver the row's first token now (time to first token does not wait for
+        the join), then hand the primed row to decode; a row that ends at its
+        first token (EOS, a stop id, max_tokens 1) never joins."""
+        first = done.first
+        reason = finish_reason(row, first.token, 1, self.eos)
+        shown = None if reason == "stop" else first.token
+        out = TokenOut(row, shown, first.logprob, first.top_logprobs, reason)
+        await self.to_emitter.send(Tokens((out,)))
+        if reason is None:
+            await self.to_decode.send(Join(row, done.primed, first.token))
+        else:
+            await self.to_admission.send(Left(row.id))
 
     async def _take_cached(self, work: _Work) -> None:
         """Start from the longest usable cached prefix; store a snapshot where the

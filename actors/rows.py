@@ -206,6 +206,16 @@ class Batch:
         mx.async_eval(self.next_tokens, self.next_logprobs, contexts)
         return inputs, contexts
 
+    def read_first(self) -> Sampled:
+        """Read the one pending token of a freshly primed one-row batch (the token
+        stays pending: the first step feeds it and reads it again)."""
+        (slot,) = self.slots
+        (logprobs,) = self.next_logprobs
+        mx.eval(self.next_tokens, logprobs)
+        token = self.next_tokens.item()
+        logprob, top = read_logprobs(logprobs, token, slot.params)
+        return Sampled(slot.row_id, token, logprob, top)
+
     def step(self) -> list[Sampled]:
         """Start step n+1, then read step n: the tokens the last step sampled."""
         current_lp = self.next_logprobs

@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from .admission import Cancel, Left, Submit
-from .decode import finish_reason
+from .decode_rules import finish_reason
 from .emitter import Terminal, TokenOut, Tokens
 from .gpu import Gpu
 from .prompt_cache import Hit, PromptCacheActor, Put

@@ -52,6 +52,8 @@ async def test_a_row_joins_at_step_k_and_starts_after_it():
     cases = serial_cases()
     first_event_step = {}
 
+    finished = set()
+
     async def run(name):
         async with engine.submit(cases[name]["prompt_ids"], max_tokens=40) as stream:
             tokens = []
@@ -60,6 +62,7 @@ async def test_a_row_joins_at_step_k_and_starts_after_it():
                 if event.token is not None:
                     tokens.append(event.token)
         assert tokens == cases[name]["tokens"], name
+        finished.add(name)
 
     waste = []
     async with checked_engine(FAMILY, batch=4) as engine, trio.open_nursery() as nursery:
@@ -67,12 +70,10 @@ async def test_a_row_joins_at_step_k_and_starts_after_it():
         await engine.wait_step(6)
         joined_at = engine.steps
         nursery.start_soon(run, "long")  # 216 tokens: prefilled in 7 chunks of 32
-        while len(first_event_step) < 2 or engine.stats().decoding_rows:
+        while not finished:  # until the first of the two rows is done
             await engine.wait_step(engine.steps + 1)
             await settle(engine)
             waste.append(engine.stats().padding_waste)
-            if engine.stats().decoding_rows < 2 and "long" in first_event_step:
-                break
     assert first_event_step["long"] > joined_at
     # the short row is left-padded to the long one's width while both decode
     assert max(waste) > 0.25, waste
@@ -320,3 +321,14 @@ async def test_the_event_loop_stays_responsive_while_eight_rows_decode(capsys):
             f"max {worst * 1e3:.2f} ms over {len(lateness)} probes"
         )
     assert worst < 0.25
+
+
+async def test_a_row_that_ends_at_its_first_token_never_joins_the_batch():
+    case = serial_cases()["sentence"]
+    async with checked_engine(FAMILY, batch=8) as engine:
+        one = await engine.generate(case["prompt_ids"], max_tokens=1)
+        none = await engine.generate(case["prompt_ids"], stop_token_ids=[case["tokens"][0]])
+        assert engine.steps == 0  # neither row took a decode step
+    assert (one.tokens, one.finish_reason) == (case["tokens"][:1], "length")
+    assert (none.tokens, none.finish_reason) == ([], "stop")
+    assert one.usage.time_to_first_token > 0
