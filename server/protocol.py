@@ -345,14 +345,14 @@ class ChunkShaper:
     def __attrs_post_init__(self) -> None:
         self.id = new_id("chatcmpl" if self.parsed.logprobs_style == "chat" else "cmpl")
 
-    def _wrap(self, choice: dict) -> dict:
+    def _wrap(self, choices: list[dict]) -> dict:
         chat = self.parsed.logprobs_style == "chat"
         return {
             "id": self.id,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
         }
 
     def chunk(self, event: Event) -> dict | None:
@@ -378,15 +378,8 @@ class ChunkShaper:
         else:
             choice = {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": lp}
         self.offset += len(event.text)
-        return self._wrap(choice)
+        return self._wrap([choice])
 
     def usage_chunk(self, usage: Usage) -> dict:
-        chat = self.parsed.logprobs_style == "chat"
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": usage_body(usage),
-        }
+        """The final chunk of a stream with ``include_usage``: no choices, the usage."""
+        return {**self._wrap([]), "usage": usage_body(usage)}
