@@ -242,6 +242,7 @@ class Decode:
         self._batch = Batch(self.model)
         for row in rows:
             self._tokens.pop(row.id, None)
+            self._first_pending.discard(row.id)
             await self.to_emitter.send(Terminal(row, "error", message))
             await self.to_admission.send(Left(row.id))
         for row in gone:
