@@ -139,6 +139,17 @@ class RequestStream:
                 )
         raise GenerationFailed("the stream ended without a terminal event")
 
+    def next_nowait(self) -> Event | None:
+        """The next event if one is already waiting, else None (never blocks)."""
+        if self._ended:
+            return None
+        try:
+            event = self._receive.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return None
+        self._ended = event.terminal
+        return event
+
     def __aiter__(self) -> RequestStream:
         return self
 

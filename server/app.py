@@ -270,21 +270,38 @@ def _sse_data(body: Any) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
+def _frames(event, shaper: ChunkShaper, parsed: Parsed) -> tuple[bytes, bool]:
+    """The SSE frames for one event, and whether the stream ends with it."""
+    if event.finish_reason in ("error", "cancelled"):
+        message = event.error or "the request was cancelled"
+        kind = "server_error" if event.finish_reason == "error" else "cancelled"
+        return _sse_data(ApiError(500, message, type=kind).body()), True
+    out = b""
+    chunk = shaper.chunk(event)
+    if chunk is not None:
+        out += _sse_data(chunk)
+    if event.terminal and parsed.include_usage and event.usage is not None:
+        out += _sse_data(shaper.usage_chunk(event.usage))
+    return out, event.terminal
+
+
 async def _sse(stream, shaper: ChunkShaper, parsed: Parsed):
-    """SSE frames for one request; always ends in ``data: [DONE]``."""
+    """SSE frames for one request; always ends in ``data: [DONE]``.
+
+    Events already waiting when one is written go out in the same body chunk:
+    a client (or a loaded event loop) that falls behind costs one send, not one
+    per token."""
     try:
         async with stream:
             async for event in stream:
-                if event.finish_reason in ("error", "cancelled"):
-                    message = event.error or "the request was cancelled"
-                    kind = "server_error" if event.finish_reason == "error" else "cancelled"
-                    yield _sse_data(ApiError(500, message, type=kind).body())
+                body, ended = _frames(event, shaper, parsed)
+                while not ended and (more := stream.next_nowait()) is not None:
+                    frames, ended = _frames(more, shaper, parsed)
+                    body += frames
+                if body:
+                    yield body
+                if ended:
                     break
-                chunk = shaper.chunk(event)
-                if chunk is not None:
-                    yield _sse_data(chunk)
-                if event.terminal and parsed.include_usage and event.usage is not None:
-                    yield _sse_data(shaper.usage_chunk(event.usage))
         yield b"data: [DONE]\n\n"
     except trio.Cancelled:
         raise  # the client went away: leaving `async with stream` cancelled the row
