@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from .admission import Cancel, Left
-from .decode_rules import finish_reason
+from .decode_rules import PUT_MIN_PROMPT, finish_reason
 from .emitter import Terminal, TokenOut, Tokens
 from .gpu import Gpu
 from .prefill import Join
@@ -29,11 +29,6 @@ from .stats import Count, Gauge, Observe, Stats
 
 MAILBOX_SIZE = 4096
 CLEAR_CACHE_EVERY = 256  # steps between mx.clear_cache(), as generate_step does
-
-
-# A leaving row's KV is handed to the prompt cache when its prompt has at least
-# this many tokens (a merged row's must be copied out of the batch first).
-PUT_MIN_PROMPT = 16
 
 
 @attrs.frozen
@@ -96,18 +91,14 @@ class Decode:
         self._batch = Batch(self.model)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with self._receive, self.to_emitter, self.to_admission, self._prompt_cache_channel():
+        cache = self.to_prompt_cache or contextlib.nullcontext()
+        with self._receive, self.to_emitter, self.to_admission, cache:
             task_status.started()
             while True:
                 if not self._rows and not self._joining:
                     self._take(await self._receive.receive())
                 self._drain()
                 await self._turn()
-
-    def _prompt_cache_channel(self):
-        if self.to_prompt_cache is None:
-            return contextlib.nullcontext()
-        return self.to_prompt_cache
 
     def _drain(self) -> None:
         while True:

@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, CacheList, TokenBuffer, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
+from .prompt_cache import clone
 from .request import SamplingParams, TopLogprob
 
 
@@ -260,8 +261,6 @@ class Prefill:
 
     def chunk(self, budget: int | None = None) -> int:
         """Prefill the next chunk (at most ``step_size`` tokens, and ``budget``)."""
-        from .prompt_cache import clone
-
         n = min(self.step_size, self.remaining, budget or self.step_size)
         ahead = [b - self.done for b in self.snapshot_at if b > self.done]
         if ahead:

@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from .admission import Cancel, Left, Submit
-from .decode_rules import finish_reason
+from .decode_rules import PUT_MIN_PROMPT, finish_reason
 from .emitter import Terminal, TokenOut, Tokens
 from .gpu import Gpu
 from .prompt_cache import Hit, PromptCacheActor, Put
@@ -154,7 +154,11 @@ class Serial:
             with trio.CancelScope(shield=True):
                 if gen is not None:
                     caches = await self.gpu.call(gen.close)
-                    if ended and self.prompt_cache is not None and len(row.prompt) >= 16:
+                    if (
+                        ended
+                        and self.prompt_cache is not None
+                        and len(row.prompt) >= PUT_MIN_PROMPT
+                    ):
                         put = Put(row.prompt + tokens, caches, "assistant")
                         await self.prompt_cache.send.send(put)
                 self.stats.post(Gauge("serial_kv_bytes", 0))
