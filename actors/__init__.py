@@ -3,17 +3,22 @@
 See ``engine.open_engine`` for the embedding API.
 """
 
-from .engine import Engine, ModelInfo, RequestStream, open_engine
+from .engine import Engine, open_engine
 from .errors import ContextOverflow, EngineClosed, EngineError, GenerationFailed, InvalidRequest
-from .request import Event, Lane, Result, SamplingParams, TopLogprob, Usage
+from .loading import ModelInfo
+from .request import Event, FinishReason, Lane, Result, SamplingParams, TopLogprob, Usage
+from .settings import EngineSettings
 from .stats import HistogramSnapshot, StatsSnapshot
+from .stream import RequestStream
 
 __all__ = [
     "ContextOverflow",
     "Engine",
     "EngineClosed",
     "EngineError",
+    "EngineSettings",
     "Event",
+    "FinishReason",
     "GenerationFailed",
     "HistogramSnapshot",
     "InvalidRequest",

@@ -4,7 +4,8 @@ Every request enters here. The queue is strict FIFO, head of line: nothing is
 reordered. A continuous-lane head is admitted when a batch slot is free and no
 serial request runs; a serial head waits until the batch lane has drained (its
 rows finish; no new ones join behind the waiter), then gets the GPU alone: drain,
-never starve. Admission also routes cancels to whichever actor holds the row.
+never starve. Admission also routes :class:`Cancel` and :class:`Finish` to
+whichever actor owns the row, and ends queued rows itself.
 
 The scheduling decision is the plain function :func:`plan`, testable without a
 model; the actor only applies it.
@@ -18,10 +19,11 @@ from collections import deque
 import attrs
 import trio
 
-from .emitter import Terminal
+from .emitter import Ended
 from .gpu import Gpu
 from .prompt_cache import Trim
-from .request import Lane, Row
+from .request import FinishReason, Lane
+from .row import Cancel, End, Finish, Phase, Row
 from .stats import Gauge, Observe, Stats
 
 MAILBOX_SIZE = 4096
@@ -29,18 +31,14 @@ MAILBOX_SIZE = 4096
 
 @attrs.frozen
 class Submit:
+    """Hands a row over: engine -> admission (QUEUED), admission -> prefill or serial."""
+
     row: Row
 
 
 @attrs.frozen
-class Cancel:
-    row_id: int
-    reason: str
-
-
-@attrs.frozen
 class Left:
-    """A row left its lane (finished, failed or cancelled): its slot is free."""
+    """A row left its lane (ended): its slot and KV projection are free."""
 
     row_id: int
 
@@ -90,22 +88,18 @@ def plan(
 @attrs.define(eq=False)
 class Admission:
     cap: int
+    budget: int | None  # KV bytes the admitted rows may project to
     gpu: Gpu
     stats: Stats
+    inbox: trio.MemoryReceiveChannel
     to_prefill: trio.MemorySendChannel
     to_serial: trio.MemorySendChannel
     to_emitter: trio.MemorySendChannel
-    budget: int | None = None  # KV bytes the admitted rows may project to
-    to_prompt_cache: trio.MemorySendChannel | None = None  # gets Trim as the live KV moves
-    send: trio.MemorySendChannel = attrs.field(init=False)
-    _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
+    to_prompt_cache: trio.MemorySendChannel | None  # gets Trim as the live KV moves
     _queue: deque[Row] = attrs.field(factory=deque, init=False)
     _lanes: dict[int, Lane] = attrs.field(factory=dict, init=False)  # admitted rows
     _projected: dict[int, int] = attrs.field(factory=dict, init=False)  # their KV bytes
     _closing: bool = attrs.field(default=False, init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.send, self._receive = trio.open_memory_channel(MAILBOX_SIZE)
 
     @property
     def _in_batch(self) -> int:
@@ -117,10 +111,10 @@ class Admission:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         cache = self.to_prompt_cache or contextlib.nullcontext()
-        with self._receive, self.to_prefill, self.to_serial, self.to_emitter, cache:
+        with self.inbox, self.to_prefill, self.to_serial, self.to_emitter, cache:
             task_status.started()
             live = 0
-            async for message in self._receive:
+            async for message in self.inbox:
                 await self.dispatch(message)
                 await self._admit()
                 now_live = sum(self._projected.values())
@@ -141,39 +135,48 @@ class Admission:
         with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
             self.to_prompt_cache.send_nowait(Trim(self.budget - live))
 
-    async def dispatch(self, message: Submit | Cancel | Left | Shutdown) -> None:
+    async def dispatch(self, message: Submit | Cancel | Finish | Left | Shutdown) -> None:
         match message:
             case Submit(row):
                 if self._closing:
-                    await self.to_emitter.send(Terminal(row, "cancelled", "engine shutting down"))
+                    await self._end_queued(row, "engine shutting down")
                 else:
                     self._queue.append(row)
-            case Cancel(row_id, reason):
-                await self._cancel(row_id, reason)
+            case Cancel(row_id, _) | Finish(row_id, _):
+                await self._route(row_id, message)
             case Left(row_id):
-                self._projected.pop(row_id, None)
-                lane = self._lanes.pop(row_id, None)
-                if lane is not None and not any(v is lane for v in self._lanes.values()):
-                    self.gpu.give_lane(lane.value)
+                if row_id not in self._lanes:  # every admitted row leaves exactly once
+                    raise RuntimeError(f"row {row_id} left twice (or was never admitted)")
+                del self._projected[row_id]
+                lane = self._lanes.pop(row_id)
+                if not any(v is lane for v in self._lanes.values()):
+                    self.gpu.give_lane(lane)
             case Shutdown(reason):
                 self._closing = True
                 for row_id in [r.id for r in self._queue] + list(self._lanes):
-                    await self._cancel(row_id, reason)
+                    await self._route(row_id, Cancel(row_id, reason))
             case _:
                 raise TypeError(f"admission got an unexpected message: {message!r}")
 
-    async def _cancel(self, row_id: int, reason: str) -> None:
+    async def _end_queued(self, row: Row, reason: str) -> None:
+        row.ask_end(End(FinishReason.CANCELLED, reason))
+        row.move(Phase.ENDED)
+        await self.to_emitter.send(Ended(row))
+
+    async def _route(self, row_id: int, message: Cancel | Finish) -> None:
+        """A queued row is cancelled here; an admitted one's owner gets the message."""
         for row in self._queue:
             if row.id == row_id:
-                self._queue.remove(row)
-                await self.to_emitter.send(Terminal(row, "cancelled", reason))
+                if isinstance(message, Cancel):
+                    self._queue.remove(row)
+                    await self._end_queued(row, message.reason)
                 return
         lane = self._lanes.get(row_id)
         if lane is Lane.CONTINUOUS:
-            await self.to_prefill.send(Cancel(row_id, reason))  # prefill forwards to decode
+            await self.to_prefill.send(message)  # prefill forwards what it does not hold
         elif lane is Lane.SERIAL:
-            await self.to_serial.send(Cancel(row_id, reason))
-        # unknown: already finished; cancelling twice is a no-op
+            await self.to_serial.send(message)
+        # unknown: the row already ended; ending it twice is a no-op
 
     async def _admit(self) -> None:
         p = plan(
@@ -187,8 +190,8 @@ class Admission:
         )
         now = trio.current_time()
         for row in (*p.to_batch, *([p.to_serial] if p.to_serial else [])):
-            if self.gpu.lane != row.lane.value:
-                self.gpu.take_lane(row.lane.value)
+            if self.gpu.lane is not row.lane:
+                self.gpu.take_lane(row.lane)
             self._lanes[row.id] = row.lane
             self._projected[row.id] = row.kv_projected
             self.stats.post(Observe("queue_wait", now - row.times.submitted))

@@ -11,6 +11,7 @@ inside a batch of longer rows is not counted (``padding_waste`` shows it).
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -21,19 +22,25 @@ HEADROOM_FRACTION = 0.2  # of device memory, kept free under an ``auto`` budget
 HEADROOM_MIN = 1 << 30
 
 
+class LayerKind(enum.Enum):
+    FULL = "full"  # plain KV: grows with every token
+    WINDOW = "window"  # a ring: stops at its window
+    STATE = "state"  # recurrent state: a fixed size
+
+
 @attrs.frozen
 class LayerCost:
-    kind: str  # full | window | state
+    kind: LayerKind
     per_token: float  # bytes per cached token (full, window); 0 for state
     granule: int = 256  # tokens a full layer allocates at a time
     window: int = 0  # window layers: tokens kept
     fixed: int = 0  # state layers: bytes
 
     def bytes_for(self, tokens: int, prefill_step: int) -> int:
-        if self.kind == "state":
+        if self.kind is LayerKind.STATE:
             return self.fixed
         held = -(-tokens // self.granule) * self.granule
-        if self.kind == "window":
+        if self.kind is LayerKind.WINDOW:
             held = min(held, self.window + prefill_step)
         return int(held * self.per_token)
 
@@ -51,10 +58,10 @@ def probe(model: Any) -> tuple[LayerCost, ...]:
         if isinstance(c, CacheList):
             return [x for sub in c.caches for x in cost(sub)]
         if isinstance(c, RotatingKVCache):
-            return [LayerCost("window", c.nbytes / c.keys.shape[2], window=c.max_size)]
+            return [LayerCost(LayerKind.WINDOW, c.nbytes / c.keys.shape[2], window=c.max_size)]
         if isinstance(c, KVCache):
-            return [LayerCost("full", c.nbytes / c.keys.shape[2], granule=KVCache.step)]
-        return [LayerCost("state", 0.0, fixed=c.nbytes)]
+            return [LayerCost(LayerKind.FULL, c.nbytes / c.keys.shape[2], granule=KVCache.step)]
+        return [LayerCost(LayerKind.STATE, 0.0, fixed=c.nbytes)]
 
     return tuple(x for c in caches for x in cost(c))
 

@@ -3,19 +3,26 @@
 Per row it owns the streaming detokenizer, the stop-string matcher (text never
 contains a stop string) and the delivery state. Delivery is ``send_nowait`` into
 the row's own buffer, sized for its ``max_tokens`` plus the terminal event, so
-the emitter never waits on a client: a closed or full buffer means the consumer
-is gone, and becomes a cancel for that row. The emitter sends every row's one
-terminal event, and ignores anything that arrives for a row after it.
+the emitter never waits on a client.
+
+The emitter never decides that a row ends; it reports what it sees to the row's
+owner (through admission, which knows where the row is): a stop string as
+:class:`Finish`, a closed or full buffer (the consumer is gone) as
+:class:`Cancel`. Until the owner's answer comes, the row's later tokens are
+dropped. The owner's answer, a token carrying the end or :class:`Ended`, makes
+the emitter send the row's one terminal event and count it in the ledger.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import enum
 
 import attrs
 import trio
 
-from .request import Event, Row, TopLogprob, Usage
+from .request import Event, FinishReason, TopLogprob, Usage
+from .row import Cancel, Finish, Row
 from .stats import Count, Observe, Stats
 
 MAILBOX_SIZE = 4096
@@ -23,14 +30,15 @@ MAILBOX_SIZE = 4096
 
 @attrs.frozen
 class TokenOut:
-    """One token of one row, from decode or serial. ``token`` is None when the row
-    ends without a new token (EOS or a stop token id, which are never shown)."""
+    """One token of one row, from its owner. ``token`` is None when the row ends
+    without a token to show (EOS or a stop token id); ``ends`` is set on the row's
+    last token, and then the row has been handed over with it."""
 
     row: Row
     token: int | None
     logprob: float | None = None
     top_logprobs: tuple[TopLogprob, ...] | None = None
-    finish_reason: str | None = None  # stop | length, decided by the token's producer
+    ends: bool = False
 
 
 @attrs.frozen
@@ -39,18 +47,26 @@ class Tokens:
 
 
 @attrs.frozen
-class Terminal:
-    """End a row without a token: error or cancelled."""
+class Ended:
+    """The owner ended ``row`` (``row.end`` says why) with no token to show."""
 
     row: Row
-    finish_reason: str  # error | cancelled
-    error: str | None = None
+
+
+class Halt(enum.Enum):
+    """Why delivery of a row stopped before its owner ended it."""
+
+    STOP_STRING = "stop string"
+    GONE = "the consumer stopped reading"
 
 
 @attrs.define(eq=False)
 class _Delivery:
     detokenizer: object
     held: str = ""  # text withheld: it could be the start of a stop string
+    delivered: int = 0  # tokens delivered (usage's completion_tokens)
+    first_token_at: float | None = None
+    halted: Halt | None = None  # set once the owner has been asked to end the row
 
 
 def _split_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
@@ -69,32 +85,36 @@ def _split_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
     return text[: len(text) - hold], text[len(text) - hold :], False
 
 
+_LEDGER = {
+    FinishReason.STOP: "finished",
+    FinishReason.LENGTH: "finished",
+    FinishReason.ERROR: "errored",
+    FinishReason.CANCELLED: "cancelled",
+}
+
+
 @attrs.define(eq=False)
 class Emitter:
     tokenizer: object
     stats: Stats
-    cancel: Callable[[int, str], None]  # ask admission to stop a row (consumer gone, stop string)
-    send: trio.MemorySendChannel = attrs.field(init=False)
-    _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
+    inbox: trio.MemoryReceiveChannel
+    to_admission: trio.MemorySendChannel  # Finish / Cancel for the row's owner
     _rows: dict[int, _Delivery] = attrs.field(factory=dict, init=False)
 
-    def __attrs_post_init__(self) -> None:
-        self.send, self._receive = trio.open_memory_channel(MAILBOX_SIZE)
-
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with self._receive:
+        with self.inbox, self.to_admission:
             task_status.started()
-            async for message in self._receive:
+            async for message in self.inbox:
                 self.dispatch(message)
 
-    def dispatch(self, message: Tokens | Terminal) -> None:
+    def dispatch(self, message: Tokens | Ended) -> None:
         match message:
             case Tokens(items):
                 delivered = sum(self._token(item) for item in items)
                 if delivered:
                     self.stats.post(Count("generated_tokens", delivered))
-            case Terminal(row, reason, error):
-                self._finish(row, reason, error=error)
+            case Ended(row):
+                self._end(row)
             case _:
                 raise TypeError(f"emitter got an unexpected message: {message!r}")
 
@@ -104,6 +124,45 @@ class Emitter:
             d = self._rows[row.id] = _Delivery(self.tokenizer.detokenizer)
         return d
 
+    def _token(self, item: TokenOut) -> int:
+        """Deliver one token (and the row's end, if it ends); returns tokens delivered."""
+        row, d = item.row, self._delivery(item.row)
+        shown = 0
+        if item.token is not None and d.halted is None:
+            shown = self._show(row, d, item)
+        if item.ends:
+            self._end(row)
+        return shown
+
+    def _show(self, row: Row, d: _Delivery, item: TokenOut) -> int:
+        now = trio.current_time()
+        if d.first_token_at is None:
+            d.first_token_at = now
+            self.stats.post(Observe("time_to_first_token", now - row.times.submitted))
+        d.detokenizer.add_token(item.token)
+        shown, d.held, stopped = _split_stop(d.held + d.detokenizer.last_segment, row.params.stop)
+        if not self._deliver(row, Event(item.token, shown, item.logprob, item.top_logprobs)):
+            self._halt(row, d, Halt.GONE)
+            return 0
+        d.delivered += 1
+        if stopped:
+            self._halt(row, d, Halt.STOP_STRING)
+        return 1
+
+    def _halt(self, row: Row, d: _Delivery, why: Halt) -> None:
+        """Stop delivering ``row`` and ask its owner to end it."""
+        d.halted = why
+        ask = (
+            Finish(row.id, FinishReason.STOP)
+            if why is Halt.STOP_STRING
+            else Cancel(row.id, why.value)
+        )
+        # Admission's mailbox is large and never waits on us; if it is closed the
+        # engine is shutting down, and shutdown ends every row anyway.
+        closed = (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError)
+        with contextlib.suppress(*closed):
+            self.to_admission.send_nowait(ask)
+
     def _deliver(self, row: Row, event: Event) -> bool:
         try:
             row.events.send_nowait(event)
@@ -111,70 +170,39 @@ class Emitter:
             return False
         return True
 
-    def _token(self, item: TokenOut) -> int:
-        """Deliver one token (and the row's end, if it ends); returns tokens delivered."""
-        row = item.row
-        if row.done:
-            return 0  # late output of a row that already ended (pipelined step)
-        d = self._delivery(row)
-        if item.token is not None:
-            now = trio.current_time()
-            if row.times.first_token is None:
-                row.times.first_token = now
-                self.stats.post(Observe("time_to_first_token", now - row.times.submitted))
-            row.completion_tokens += 1
-            d.detokenizer.add_token(item.token)
-            shown, d.held, stopped = _split_stop(
-                d.held + d.detokenizer.last_segment, row.params.stop
-            )
-            event = Event(item.token, shown, item.logprob, item.top_logprobs)
-            if not self._deliver(row, event):
-                self._finish(row, "cancelled")
-                self.cancel(row.id, "the consumer stopped reading")
-                return 0
-            if stopped:
-                self._finish(row, "stop", flush=False)
-                self.cancel(row.id, "stop string")
-                return 1
-        if item.finish_reason is not None:
-            self._finish(row, item.finish_reason)
-        return int(item.token is not None)
-
-    def _finish(self, row: Row, reason: str, *, error: str | None = None, flush=True) -> None:
-        if row.done:
-            return
-        row.done, row.finish_reason = True, reason
-        d = self._rows.pop(row.id, None)
+    def _end(self, row: Row) -> None:
+        """The row's one terminal event, and its count in the ledger."""
+        end = row.end
+        d = self._rows.pop(row.id, None) or _Delivery(self.tokenizer.detokenizer)
         text = ""
-        if flush and d is not None and reason in ("stop", "length"):
+        if end.reason.finished and d.halted is None:
             d.detokenizer.finalize()
             text, _, _ = _split_stop(d.held + d.detokenizer.last_segment, row.params.stop)
-        row.times.finished = trio.current_time()
-        event = Event(None, text, finish_reason=reason, error=error, usage=usage_of(row))
+        usage = usage_of(row, d, trio.current_time())
+        event = Event(None, text, finish_reason=end.reason, error=end.detail, usage=usage)
         self._deliver(row, event)
         row.events.close()
-        counter = {"stop": "finished", "length": "finished", "error": "errored"}
-        self.stats.post(Count(counter.get(reason, "cancelled")))
+        self.stats.post(Count(_LEDGER[end.reason]))
 
 
-def usage_of(row: Row) -> Usage:
+def usage_of(row: Row, d: _Delivery, finished: float) -> Usage:
     t = row.times
-    start = t.prefill_started if t.prefill_started is not None else t.finished or t.submitted
+    start = t.prefill_started if t.prefill_started is not None else finished
     computed = len(row.prompt) - row.cached_tokens
     prefill_rate = None
     if t.prefill_started is not None and t.prefill_ended is not None:
         span = t.prefill_ended - t.prefill_started
         prefill_rate = computed / span if span > 0 else None
     decode_rate = None
-    if t.first_token is not None and t.finished is not None and row.completion_tokens > 1:
-        span = t.finished - t.first_token
-        decode_rate = (row.completion_tokens - 1) / span if span > 0 else None
+    if d.first_token_at is not None and d.delivered > 1:
+        span = finished - d.first_token_at
+        decode_rate = (d.delivered - 1) / span if span > 0 else None
     return Usage(
         prompt_tokens=len(row.prompt),
         cached_tokens=row.cached_tokens,
-        completion_tokens=row.completion_tokens,
+        completion_tokens=d.delivered,
         queue_wait=start - t.submitted,
-        time_to_first_token=None if t.first_token is None else t.first_token - t.submitted,
+        time_to_first_token=None if d.first_token_at is None else d.first_token_at - t.submitted,
         prefill_tokens_per_second=prefill_rate,
         decode_tokens_per_second=decode_rate,
     )

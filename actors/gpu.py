@@ -6,7 +6,7 @@ step and a prefill chunk submitted together alternate. A call is never abandoned
 mid-way: a caller cancelled while its call runs waits for it to finish, then sees
 the cancellation at its next checkpoint (STYLE habit 9).
 
-The actor also owns the lane token: one of the two lanes (``batch`` or ``serial``)
+The actor also owns the lane token: one of the two lanes (continuous or serial)
 holds the GPU at a time. Admission takes and hands it over FIFO (drain, never
 starve); the token makes the exclusion an invariant that can be checked, rather
 than a convention.
@@ -23,12 +23,14 @@ import attrs
 import outcome
 import trio
 
+from .request import Lane
+
 
 @attrs.frozen
 class GpuStatistics:
     calls: int  # calls completed since start
     busy_seconds: float  # wall time the thread spent inside calls
-    lane: str | None  # which lane holds the GPU now
+    lane: Lane | None  # which lane holds the GPU now
 
 
 @attrs.define(eq=False)
@@ -38,7 +40,7 @@ class Gpu:
     _thread: threading.Thread | None = attrs.field(default=None, init=False)
     _calls: int = attrs.field(default=0, init=False)
     _busy: float = attrs.field(default=0.0, init=False)
-    _lane: str | None = attrs.field(default=None, init=False)
+    _lane: Lane | None = attrs.field(default=None, init=False)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
@@ -85,18 +87,18 @@ class Gpu:
             await trio.to_thread.run_sync(thread.join)
 
     # The lane token. Only admission takes it; whoever ends a lane's turn gives it back.
-    def take_lane(self, lane: str) -> None:
+    def take_lane(self, lane: Lane) -> None:
         if self._lane is not None:
             raise RuntimeError(f"lane {lane!r} asked for the GPU while {self._lane!r} holds it")
         self._lane = lane
 
-    def give_lane(self, lane: str) -> None:
+    def give_lane(self, lane: Lane) -> None:
         if self._lane != lane:
             raise RuntimeError(f"lane {lane!r} gave back a GPU held by {self._lane!r}")
         self._lane = None
 
     @property
-    def lane(self) -> str | None:
+    def lane(self) -> Lane | None:
         return self._lane
 
     def statistics(self) -> GpuStatistics:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import enum
 from typing import Any
 
 import attrs
@@ -29,10 +30,21 @@ import trio
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from .gpu import Gpu
+from .row import Row
 from .stats import Count, Gauge, Stats
 
 MAILBOX_SIZE = 4096
 KEY = "model"  # one model per engine: the trie's model key is a constant
+
+# A finished row's KV is handed to the prompt cache when its prompt has at least
+# this many tokens (shorter ones are cheaper to recompute than to store; a merged
+# row's must also be copied out of the batch first).
+PUT_MIN_PROMPT = 16
+
+
+def worth_keeping(row: Row) -> bool:
+    """Whether an ended row's KV goes to the prompt cache (both lanes)."""
+    return row.end is not None and row.end.reason.finished and len(row.prompt) >= PUT_MIN_PROMPT
 
 
 def clone(cache: Any) -> Any:
@@ -91,12 +103,21 @@ class Store(LRUPromptCache):
         self._lru.remove(KEY, tokens)
         self._lru.push(KEY, tokens, entry.cache_type)
 
-    def put(self, tokens: list[int], caches: list[Any], kind: str, ceiling: int) -> None:
+    def put(self, tokens: list[int], caches: list[Any], kind: EntryKind, ceiling: int) -> None:
         self.insert_cache(KEY, list(tokens), caches, cache_type=kind)
         self.trim_to(n_bytes=ceiling)
 
     def trim_bytes(self, ceiling: int) -> None:
         self.trim_to(n_bytes=ceiling)
+
+
+class EntryKind(enum.StrEnum):
+    """mlx-lm's entry types, which set its eviction preference (a str enum: the
+    store takes the string)."""
+
+    SYSTEM = "system"  # a boundary snapshot: a prefix that later prompts share
+    USER = "user"
+    ASSISTANT = "assistant"  # a finished row: its prompt and its answer
 
 
 @attrs.frozen
@@ -109,7 +130,7 @@ class Take:
 class Put:
     tokens: list[int] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
     caches: list[Any] = attrs.field(repr=False)
-    kind: str = "assistant"  # system (a boundary snapshot) | user | assistant (finished row)
+    kind: EntryKind = EntryKind.ASSISTANT
 
 
 @attrs.frozen
@@ -123,22 +144,20 @@ class Trim:
 class PromptCacheActor:
     gpu: Gpu
     stats: Stats
+    inbox: trio.MemoryReceiveChannel
     max_entries: int = 10
     max_bytes: int = 1 << 62
-    send: trio.MemorySendChannel = attrs.field(init=False)
-    _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
     _store: Store = attrs.field(init=False)
     _ceiling: int = attrs.field(init=False)  # the budget's share, lowered by Trim
 
     def __attrs_post_init__(self) -> None:
-        self.send, self._receive = trio.open_memory_channel(MAILBOX_SIZE)
         self._store = Store(max_size=self.max_entries, max_bytes=self.max_bytes)
         self._ceiling = self.max_bytes
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with self._receive:
+        with self.inbox:
             task_status.started()
-            async for message in self._receive:
+            async for message in self.inbox:
                 await self.dispatch(message)
                 self.stats.post(
                     Gauge("prompt_cache_entries", len(self._store)),
@@ -166,13 +185,16 @@ class PromptCacheActor:
             case _:
                 raise TypeError(f"prompt cache got an unexpected message: {message!r}")
 
-    async def take(self, tokens: list[int]) -> Hit:
-        """Ask for the longest usable cached prefix of ``tokens`` (a request-reply
-        through the mailbox; other actors call this from their own task)."""
-        send, receive = trio.open_memory_channel(1)
-        await self.send.send(Take(tokens, send))
-        with receive:
-            try:
-                return await receive.receive()
-            except trio.EndOfChannel:
-                return Hit(None, 0)
+
+async def take(to_cache: trio.MemorySendChannel | None, tokens: list[int]) -> Hit:
+    """Ask the prompt cache (through its mailbox) for the longest usable cached
+    prefix of ``tokens``: a request-reply any actor can make from its own task."""
+    if to_cache is None:
+        return Hit(None, 0)
+    send, receive = trio.open_memory_channel(1)
+    await to_cache.send(Take(tokens, send))
+    with receive:
+        try:
+            return await receive.receive()
+        except trio.EndOfChannel:
+            return Hit(None, 0)

@@ -1,84 +1,161 @@
-"""A request's life: its parameters, its row record, and the events it yields.
+"""What a request asks (:class:`SamplingParams`) and what it yields (events, results).
 
-A request is one :class:`Row` from submit to its terminal event. The row moves
-between actors inside messages; at any moment exactly one actor holds it, and the
-fields each actor writes are marked below. Every row ends in exactly one terminal
-event (``stop``, ``length``, ``error`` or ``cancelled``), sent by the emitter.
+Every parameter a caller can set is checked here, once, by type and range; a
+bad one raises :class:`InvalidRequest` naming it. The HTTP front only maps names.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
-import trio
 
 from .errors import InvalidRequest
 
 MAX_TOP_LOGPROBS = 20
 
 
-class Lane(enum.Enum):
+class Lane(enum.StrEnum):
     SERIAL = "serial"
     CONTINUOUS = "continuous"
 
 
-def _check(cond: bool, message: str, param: str) -> None:
-    if not cond:
-        raise InvalidRequest(message, param=param)
+class FinishReason(enum.StrEnum):
+    """How a row ended. A str enum: it compares equal to OpenAI's strings."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        """The row ran to its natural end (its KV is worth keeping)."""
+        return self in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def _fail(param: str, message: str) -> None:
+    raise InvalidRequest(message, param=param)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _integer(lo: int, hi: int | None = None) -> Callable:
+    def check(_, attribute, value) -> None:
+        name = attribute.name
+        if not _is_int(value):
+            _fail(name, f"{name} must be an integer, got {type(value).__name__}")
+        if value < lo or (hi is not None and value > hi):
+            span = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+            _fail(name, f"{name} must be {span}, got {value}")
+
+    return check
+
+
+def _number(lo: float, hi: float | None = None, *, open_lo: bool = False, optional=False):
+    def check(_, attribute, value) -> None:
+        name = attribute.name
+        if value is None and optional:
+            return
+        if not (isinstance(value, int | float) and not isinstance(value, bool)):
+            _fail(name, f"{name} must be a number, got {type(value).__name__}")
+        if not math.isfinite(value):
+            _fail(name, f"{name} must be a finite number, got {value}")
+        low_ok = value > lo if open_lo else value >= lo
+        if not low_ok or (hi is not None and value > hi):
+            if hi is not None:
+                span = f"in {'(' if open_lo else '['}{lo:g}, {hi:g}]"
+            else:
+                span = f"{'>' if open_lo else '>='} {lo:g}"
+            _fail(name, f"{name} must be {span}, got {value!r}")
+
+    return check
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, list | tuple) or not all(isinstance(s, str) and s for s in value):
+        _fail("stop", "stop must be a non-empty string or a list of non-empty strings")
+    return tuple(value)
+
+
+def _stop_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple) or not all(_is_int(t) for t in value):
+        _fail("stop_token_ids", "stop_token_ids must be a list of token ids")
+    return tuple(value)
+
+
+def _logit_bias(value: Any) -> Mapping[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        _fail("logit_bias", "logit_bias must be an object of token id to bias")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            _fail("logit_bias", f"logit_bias key {key!r} is not a token id")
+        ok = isinstance(bias, int | float) and not isinstance(bias, bool) and math.isfinite(bias)
+        if not ok or not -100 <= bias <= 100:
+            _fail("logit_bias", f"logit_bias value for {key} must be between -100 and 100")
+        out[token] = float(bias)
+    return out or None
+
+
+def _flag(_, attribute, value) -> None:
+    if not isinstance(value, bool):
+        _fail(attribute.name, f"{attribute.name} must be a boolean")
 
 
 @attrs.frozen
 class SamplingParams:
     """What one request asks of generation. Validated on construction."""
 
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    repetition_context_size: int = 20
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: Mapping[int, float] | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
+    max_tokens: int = attrs.field(default=256, validator=_integer(1))
+    temperature: float = attrs.field(default=0.0, validator=_number(0.0))
+    top_p: float = attrs.field(default=1.0, validator=_number(0.0, 1.0, open_lo=True))
+    top_k: int = attrs.field(default=0, validator=_integer(0))
+    min_p: float = attrs.field(default=0.0, validator=_number(0.0, 1.0))
+    repetition_penalty: float | None = attrs.field(
+        default=None, validator=_number(0.0, open_lo=True, optional=True)
+    )
+    repetition_context_size: int = attrs.field(default=20, validator=_integer(1))
+    presence_penalty: float | None = attrs.field(
+        default=None, validator=_number(-2.0, 2.0, optional=True)
+    )
+    frequency_penalty: float | None = attrs.field(
+        default=None, validator=_number(-2.0, 2.0, optional=True)
+    )
+    logit_bias: Mapping[int, float] | None = attrs.field(default=None, converter=_logit_bias)
+    logprobs: bool = attrs.field(default=False, validator=_flag)
+    top_logprobs: int = attrs.field(default=0, validator=_integer(0, MAX_TOP_LOGPROBS))
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_ids)
+    seed: int | None = attrs.field(default=None)
 
-    def __attrs_post_init__(self) -> None:
-        _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-            f"max_tokens must be a positive integer, got {self.max_tokens!r}",
-            "max_tokens",
-        )
-        _check(
-            math.isfinite(self.temperature) and self.temperature >= 0.0,
-            f"temperature must be >= 0, got {self.temperature!r}",
-            "temperature",
-        )
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}", "top_k")
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
-        _check(
-            self.repetition_penalty is None or self.repetition_penalty > 0,
-            f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
-            "repetition_penalty",
-        )
-        _check(
-            0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
-            f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}",
-            "top_logprobs",
-        )
-        _check(
-            all(isinstance(s, str) and s for s in self.stop),
-            "stop must be non-empty strings",
-            "stop",
-        )
+    @seed.validator
+    def _seed(self, attribute, value) -> None:
+        if value is not None and not _is_int(value):
+            _fail("seed", f"seed must be an integer, got {type(value).__name__}")
+
+    @classmethod
+    def build(cls, params: Mapping[str, Any]) -> SamplingParams:
+        """From a caller's keywords; an unknown one is an error naming it."""
+        unknown = sorted(set(params) - set(attrs.fields_dict(cls)))
+        if unknown:
+            _fail(unknown[0], f"unknown parameter {unknown[0]!r}")
+        return cls(**params)
 
     @property
     def greedy(self) -> bool:
@@ -127,7 +204,7 @@ class Event:
     text: str
     logprob: float | None = None
     top_logprobs: tuple[TopLogprob, ...] | None = None
-    finish_reason: str | None = None  # stop | length | error | cancelled
+    finish_reason: FinishReason | None = None
     error: str | None = None
     usage: Usage | None = None
 
@@ -140,47 +217,7 @@ class Event:
 class Result:
     tokens: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     usage: Usage
     logprobs: list[float] | None = None
     top_logprobs: list[tuple[TopLogprob, ...]] | None = None
-
-
-@attrs.define(eq=False, repr=False)
-class RowTimes:
-    """Clock readings (``trio.current_time()``); each written once by the actor named."""
-
-    submitted: float  # engine.submit
-    prefill_started: float | None = None  # prefill / serial
-    prefill_ended: float | None = None  # prefill / serial
-    first_token: float | None = None  # emitter
-    finished: float | None = None  # emitter
-
-
-@attrs.define(eq=False)
-class Row:
-    """One request from submit to terminal event."""
-
-    id: int
-    prompt: list[int] = attrs.field(repr=lambda p: f"<{len(p)} tokens>")  # no text in logs
-    params: SamplingParams
-    lane: Lane
-    events: trio.MemorySendChannel = attrs.field(repr=False)
-    times: RowTimes = attrs.field(repr=False)
-    cached_tokens: int = 0  # written by prefill / serial (the prompt-cache take)
-    # Where the prompt's last message starts (chat prompts): a boundary snapshot
-    # there lets the next turn of the conversation reuse everything before it.
-    snapshot_at: int | None = None
-    kv_projected: int = 0  # worst-case KV bytes (prompt + max_tokens), for the budget
-    completion_tokens: int = 0  # written by the emitter
-    # Emitter-owned delivery state: set once the terminal event has been sent.
-    done: bool = False
-    finish_reason: str | None = None
-
-
-def normalize_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    return tuple(stop)

@@ -45,7 +45,6 @@ def build_sampling(params: SamplingParams):
 class Sampled:
     """One row's token read from one step."""
 
-    row_id: int
     token: int
     logprob: float | None
     top_logprobs: tuple[TopLogprob, ...] | None
@@ -72,11 +71,13 @@ def read_logprobs(
 class Slot:
     """One row inside a batch: its sampling state. Never holds prompt text."""
 
-    row_id: int
     params: SamplingParams
     sampler: Any
     processors: list
     context: TokenBuffer | None  # tokens seen so far, kept only for processors
+    # The pending token was already read (a joiner's first token, read at prime):
+    # the next step feeds it and must not hand it out again.
+    pending_read: bool = False
 
 
 def _first_kv(caches: Sequence[Any]) -> BatchKVCache | None:
@@ -105,10 +106,6 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.slots)
-
-    @property
-    def row_ids(self) -> list[int]:
-        return [s.row_id for s in self.slots]
 
     @property
     def nbytes(self) -> int:
@@ -215,18 +212,24 @@ class Batch:
         mx.eval(self.next_tokens, logprobs)
         token = self.next_tokens.item()
         logprob, top = read_logprobs(logprobs, token, slot.params)
-        return Sampled(slot.row_id, token, logprob, top)
+        slot.pending_read = True
+        return Sampled(token, logprob, top)
 
-    def step(self) -> list[Sampled]:
-        """Start step n+1, then read step n: the tokens the last step sampled."""
+    def step(self) -> list[Sampled | None]:
+        """Start step n+1, then read step n: the tokens the last step sampled, one
+        per slot in batch order (None for a token already read at prime)."""
         current_lp = self.next_logprobs
         inputs, _ = self._forward()
         mx.eval(inputs, current_lp)
         tokens = inputs.tolist()
-        out = []
+        out: list[Sampled | None] = []
         for slot, token, lp in zip(self.slots, tokens, current_lp, strict=True):
+            if slot.pending_read:
+                slot.pending_read = False
+                out.append(None)
+                continue
             logprob, top = read_logprobs(lp, token, slot.params)
-            out.append(Sampled(slot.row_id, token, logprob, top))
+            out.append(Sampled(token, logprob, top))
         return out
 
 
@@ -238,21 +241,28 @@ class Prefill:
     first token on those caches (mlx-lm's tail convention).
 
     Chunks split exactly at each boundary in ``snapshot_at``; there a clone of
-    the caches is kept in ``snapshots`` for the prompt cache."""
+    the caches is kept in ``snapshots`` for the prompt cache. Made on the event
+    loop (no mlx until the first chunk); between GPU calls the prefill actor reads
+    ``done`` and adds to ``snapshot_at``."""
 
     model: Any
-    row_id: int
     prompt: list[int]
     params: SamplingParams
     step_size: int
-    caches: list[Any] | None = None
+    caches: list[Any] | None = None  # None until the take or the first chunk
     done: int = 0  # prompt tokens already in the caches
+    taken: bool = False  # the prompt-cache take is in (caches/done set from it)
+    started: bool = False  # a chunk (or the prime) has run: the take is final
     snapshot_at: set[int] = attrs.field(factory=set)
     snapshots: list[tuple[int, list[Any]]] = attrs.field(factory=list)
 
-    def __attrs_post_init__(self) -> None:
-        if self.caches is None:
-            self.caches = make_prompt_cache(self.model)
+    def start_from(self, caches: list[Any] | None, cached: int) -> None:
+        """Begin from a prompt-cache take (no caches: from scratch)."""
+        self.caches, self.done, self.taken = caches, cached if caches else 0, True
+
+    def forget_take(self) -> None:
+        """Drop a take gone stale before the first chunk; take again later."""
+        self.caches, self.done, self.taken = None, 0, False
 
     @property
     def remaining(self) -> int:
@@ -261,6 +271,7 @@ class Prefill:
 
     def chunk(self, budget: int | None = None) -> int:
         """Prefill the next chunk (at most ``step_size`` tokens, and ``budget``)."""
+        self._start()
         n = min(self.step_size, self.remaining, budget or self.step_size)
         ahead = [b - self.done for b in self.snapshot_at if b > self.done]
         if ahead:
@@ -275,10 +286,16 @@ class Prefill:
                 self.snapshots.append((self.done, [clone(c) for c in self.caches]))
         return n
 
+    def _start(self) -> None:
+        self.started = True
+        if self.caches is None:
+            self.caches = make_prompt_cache(self.model)
+
     def prime(self) -> Batch:
+        self._start()
         sampler, processors = build_sampling(self.params)
         context = TokenBuffer(self.prompt[:-1]) if processors else None
-        slot = Slot(self.row_id, self.params, sampler, processors, context)
+        slot = Slot(self.params, sampler, processors, context)
         batch = Batch(self.model, [slot], self.caches, batched=False)
         batch.next_tokens = mx.array(self.prompt[-1:])
         batch._forward()
@@ -286,4 +303,4 @@ class Prefill:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)
+        return sum(c.nbytes for c in self.caches) if self.caches else 0

@@ -9,17 +9,18 @@ call, so cancels and the event loop get a turn between tokens.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import attrs
 import trio
 
-from .admission import Cancel, Left, Submit
-from .decode_rules import PUT_MIN_PROMPT, finish_reason
-from .emitter import Terminal, TokenOut, Tokens
+from .admission import Left, Submit
+from .emitter import Ended, TokenOut, Tokens
 from .gpu import Gpu
-from .prompt_cache import Hit, PromptCacheActor, Put
-from .request import Row
+from .prompt_cache import Hit, Put, take, worth_keeping
+from .request import FinishReason
+from .row import Cancel, End, Finish, Phase, Row
 from .rows import build_sampling, read_logprobs
 from .stats import Count, Gauge, Stats
 
@@ -35,7 +36,7 @@ class _Generation:
     caches: list  # its KV, kept here so its bytes can be reported
 
     @classmethod
-    def start(cls, model: Any, row: Row, prefill_step_size: int, hit: Hit | None) -> _Generation:
+    def start(cls, model: Any, row: Row, prefill_step_size: int, hit: Hit) -> _Generation:
         """Set up generate_step, starting after a prompt-cache hit if there is one.
         Processors see only the uncached part of the prompt, as in mlx_lm.server."""
         import mlx.core as mx
@@ -45,7 +46,7 @@ class _Generation:
         if row.params.seed is not None:
             mx.random.seed(row.params.seed)
         sampler, processors = build_sampling(row.params)
-        cached = hit.cached if hit is not None and hit.caches is not None else 0
+        cached = hit.cached if hit.caches is not None else 0
         caches = hit.caches if cached else make_prompt_cache(model)
         steps = generate_step(
             mx.array(row.prompt[cached:]),
@@ -76,90 +77,92 @@ class Serial:
     model: Any
     gpu: Gpu
     stats: Stats
-    eos: frozenset[int]
     prefill_step_size: int
+    inbox: trio.MemoryReceiveChannel  # Submit, Cancel, Finish
     to_emitter: trio.MemorySendChannel
     to_admission: trio.MemorySendChannel
-    prompt_cache: PromptCacheActor | None = None
-    send: trio.MemorySendChannel = attrs.field(init=False)
-    _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
-    _cancelled: str | None = attrs.field(default=None, init=False)
-    _current: int | None = attrs.field(default=None, init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.send, self._receive = trio.open_memory_channel(MAILBOX_SIZE)
+    to_prompt_cache: trio.MemorySendChannel | None
+    _current: Row | None = attrs.field(default=None, init=False)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with self._receive, self.to_emitter, self.to_admission:
+        with contextlib.ExitStack() as stack:
+            for channel in (self.inbox, self.to_emitter, self.to_admission, self.to_prompt_cache):
+                if channel is not None:
+                    stack.enter_context(channel)
             task_status.started()
-            async for message in self._receive:
+            async for message in self.inbox:
                 match message:
                     case Submit(row):
                         await self._generate(row)
-                    case Cancel():
+                    case Cancel() | Finish():
                         pass  # for a row that already ended
                     case _:
                         raise TypeError(f"serial got an unexpected message: {message!r}")
 
     def _drain(self) -> None:
+        """End requests for the running row, between two of its tokens."""
         while True:
             try:
-                message = self._receive.receive_nowait()
+                message = self.inbox.receive_nowait()
             except trio.WouldBlock:
                 return
             match message:
-                case Cancel(row_id, reason) if row_id == self._current:
-                    self._cancelled = self._cancelled or reason
-                case Cancel():
+                case Cancel(row_id) | Finish(row_id) if row_id == self._current.id:
+                    self._current.ask(message)
+                case Cancel() | Finish():
                     pass
                 case _:
                     raise TypeError(f"serial got {message!r} while running a row")
 
     async def _generate(self, row: Row) -> None:
-        self._current, self._cancelled = row.id, None
-        gen, tokens, ended = None, [], False
+        row.move(Phase.SERIAL)
+        self._current, gen = row, None
         try:
             row.times.prefill_started = trio.current_time()
             self.stats.post(Count("prompt_tokens", len(row.prompt)))
-            hit = await self.prompt_cache.take(row.prompt) if self.prompt_cache else None
-            row.cached_tokens = hit.cached if hit is not None else 0
+            hit = await take(self.to_prompt_cache, row.prompt)
+            row.cached_tokens = hit.cached if hit.caches is not None else 0
             gen = await self.gpu.call(
                 _Generation.start, self.model, row, self.prefill_step_size, hit
             )
-            generated = 0
-            while True:
-                token, logprob, top, kv_bytes = await self.gpu.call(gen.next)
-                if generated % 16 == 0:  # the serial KV grows slowly: a sample is enough
-                    self.stats.post(Gauge("serial_kv_bytes", kv_bytes))
-                if generated == 0:
-                    row.times.prefill_ended = trio.current_time()
-                    self.stats.post(Count("prefill_tokens", len(row.prompt) - row.cached_tokens))
-                generated += 1
-                tokens.append(token)  # yielded = fed: what the caches now hold
-                self._drain()
-                if self._cancelled is not None:
-                    await self.to_emitter.send(Terminal(row, "cancelled", self._cancelled))
-                    return
-                reason = finish_reason(row, token, generated, self.eos)
-                shown = None if reason == "stop" else token
-                await self.to_emitter.send(Tokens((TokenOut(row, shown, logprob, top, reason),)))
-                if reason is not None:
-                    ended = True
-                    return
+            await self._tokens(row, gen)
         except Exception as exc:
-            msg = f"generation failed: {type(exc).__name__}: {exc}"
-            await self.to_emitter.send(Terminal(row, "error", msg))
+            row.ask_end(End(FinishReason.ERROR, f"generation failed: {type(exc).__name__}: {exc}"))
         finally:
             self._current = None
             with trio.CancelScope(shield=True):
-                if gen is not None:
-                    caches = await self.gpu.call(gen.close)
-                    if (
-                        ended
-                        and self.prompt_cache is not None
-                        and len(row.prompt) >= PUT_MIN_PROMPT
-                    ):
-                        put = Put(row.prompt + tokens, caches, "assistant")
-                        await self.prompt_cache.send.send(put)
-                self.stats.post(Gauge("serial_kv_bytes", 0))
-                await self.to_admission.send(Left(row.id))
+                await self._close(row, gen)
+
+    async def _tokens(self, row: Row, gen: _Generation) -> None:
+        """Generate until the row ends; its last token (if any) carries the end."""
+        while row.end is None:
+            token, logprob, top, kv_bytes = await self.gpu.call(gen.next)
+            if len(row.tokens) % 16 == 0:  # the serial KV grows slowly: a sample is enough
+                self.stats.post(Gauge("serial_kv_bytes", kv_bytes))
+            if not row.tokens:
+                row.times.prefill_ended = trio.current_time()
+                self.stats.post(Count("prefill_tokens", len(row.prompt) - row.cached_tokens))
+            self._drain()
+            if row.end is not None:  # ended while this token was computed: not shown
+                row.tokens.append(token)  # yielded = fed: what the caches now hold
+                return
+            reason = row.accept(token)
+            shown = None if reason is FinishReason.STOP else token
+            if reason is not None:
+                row.move(Phase.ENDED)
+            out = TokenOut(row, shown, logprob, top, ends=reason is not None)
+            await self.to_emitter.send(Tokens((out,)))
+
+    async def _close(self, row: Row, gen: _Generation | None) -> None:
+        """Free the row (its KV to the prompt cache if it finished), its terminal
+        to the emitter unless its last token carried it, its slot to admission."""
+        if gen is not None:
+            caches = await self.gpu.call(gen.close)
+            if self.to_prompt_cache is not None and worth_keeping(row):
+                await self.to_prompt_cache.send(Put(row.prompt + row.tokens, caches))
+        self.stats.post(Gauge("serial_kv_bytes", 0))
+        if row.phase is not Phase.ENDED:
+            row.ask_end(End(FinishReason.CANCELLED, "the engine stopped the row"))
+            row.move(Phase.ENDED)
+            await self.to_emitter.send(Ended(row))
+        await self.to_admission.send(Left(row.id))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -141,6 +142,7 @@ class Stats:
     _counters: dict[str, int] = attrs.field(init=False)
     _gauges: dict[str, float] = attrs.field(init=False)
     _histograms: dict[str, Histogram] = attrs.field(init=False)
+    _changed: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each apply
 
     def __attrs_post_init__(self) -> None:
         self._send, self._receive = trio.open_memory_channel(MAILBOX_SIZE)
@@ -178,6 +180,16 @@ class Stats:
             async for messages in self._receive:
                 for message in messages:
                     self._apply(message)
+                self._changed.set()
+                self._changed = trio.Event()
+
+    async def wait_for(self, predicate: Callable[[StatsSnapshot], bool]) -> None:
+        """Wait until every posted figure is in and ``predicate(snapshot)`` holds."""
+        while self.backlog or not predicate(self.snapshot()):
+            await self._changed.wait()
+
+    def counter(self, name: str) -> int:
+        return self._counters[name]
 
     def snapshot(self) -> StatsSnapshot:
         c, g, h = self._counters, self._gauges, self._histograms

@@ -7,14 +7,23 @@ model loads. Handlers never touch mlx: they validate, submit, and stream.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import trio
-from mlx_nursery.actors import Engine, GenerationFailed, InvalidRequest, open_engine
+from mlx_nursery.actors import (
+    Engine,
+    EngineSettings,
+    FinishReason,
+    GenerationFailed,
+    InvalidRequest,
+    open_engine,
+)
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -39,22 +48,31 @@ ALIASES = ("default_model", "default")
 
 @attrs.frozen
 class Settings:
+    """The server's settings: the engine's, whole, plus the HTTP front's own."""
+
     model: str
+    engine: EngineSettings = attrs.field(factory=lambda: EngineSettings(dtype="auto"))
     host: str = "127.0.0.1"
     port: int = 8080
-    batch: int = 8
-    prefill_step_size: int = 2048
     defaults: Defaults = attrs.field(factory=Defaults)
-    chat_template: str | None = None
-    chat_template_args: dict = attrs.field(factory=dict)
-    dtype: str = "auto"
     allowed_origins: tuple[str, ...] = ("*",)
     max_request_bytes: int = 16 * 1024 * 1024
     drain_seconds: float = 30.0  # in-flight requests get this long at shutdown
-    context_length: int | None = None
-    prompt_cache_size: int = 10
-    prompt_cache_bytes: int | None = None
-    kv_budget: int | str | None = None
+
+
+class ServerPhase(enum.StrEnum):
+    STARTING = "starting"  # the model loads; /health is 503
+    SERVING = "serving"
+    DRAINING = "draining"  # shutting down: no new work, in-flight requests finish
+    STOPPED = "stopped"
+    FAILED = "failed"  # the engine could not start (``error`` says why)
+
+
+_UNAVAILABLE = {
+    ServerPhase.STARTING: "the model is still loading; retry shortly",
+    ServerPhase.DRAINING: "the server is shutting down",
+    ServerPhase.STOPPED: "the server is shutting down",
+}
 
 
 @attrs.define(eq=False)
@@ -63,7 +81,7 @@ class ServerState:
 
     settings: Settings
     engine: Engine | None = None
-    phase: str = "starting"  # starting | serving | draining | stopped | failed
+    phase: ServerPhase = ServerPhase.STARTING
     error: str | None = None
     failed: trio.Event = attrs.field(factory=trio.Event)
     _stop: trio.Event = attrs.field(factory=trio.Event)
@@ -76,37 +94,26 @@ class ServerState:
     async def host_engine(self) -> None:
         s = self.settings
         try:
-            async with open_engine(
-                s.model,
-                batch=s.batch,
-                prefill_step_size=s.prefill_step_size,
-                max_tokens=s.defaults.max_tokens,
-                context_length=s.context_length,
-                dtype=s.dtype,
-                prompt_cache_size=s.prompt_cache_size,
-                prompt_cache_bytes=s.prompt_cache_bytes,
-                chat_template=s.chat_template,
-                chat_template_args=s.chat_template_args,
-                kv_budget=s.kv_budget,
-            ) as engine:
-                self.engine, self.phase = engine, "serving"
-                log.info("serving %s (batch %d, mode %s)", s.model, s.batch, engine.stats().mode)
+            async with open_engine(s.model, s.engine) as engine:
+                self.engine, self.phase = engine, ServerPhase.SERVING
+                mode = engine.stats().mode
+                log.info("serving %s (batch %d, mode %s)", s.model, s.engine.batch, mode)
                 await self._stop.wait()
         except Exception as exc:
-            self.phase, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.phase, self.error = ServerPhase.FAILED, f"{type(exc).__name__}: {exc}"
             log.error("the engine failed to start: %s", self.error)
             self.failed.set()
         finally:
-            if self.phase != "failed":
-                self.phase = "stopped"
+            if self.phase is not ServerPhase.FAILED:
+                self.phase = ServerPhase.STOPPED
             self._stopped.set()
 
     async def drain(self, deadline: float) -> None:
         """Refuse new work, let in-flight requests finish within ``deadline`` seconds,
         then cancel the rest (each stream still gets its terminal event)."""
-        if self.engine is None or self.phase != "serving":
+        if self.engine is None or self.phase is not ServerPhase.SERVING:
             return
-        self.phase = "draining"
+        self.phase = ServerPhase.DRAINING
         with trio.move_on_after(deadline):
             await self.engine.wait_idle()
         await self.engine.close("the server is shutting down")
@@ -114,6 +121,12 @@ class ServerState:
     async def stop(self) -> None:
         self._stop.set()
         await self._stopped.wait()
+
+    def engine_or_503(self) -> Engine:
+        if self.phase is ServerPhase.SERVING and self.engine is not None:
+            return self.engine
+        message = _UNAVAILABLE.get(self.phase) or f"the engine failed to start: {self.error}"
+        raise ApiError(503, message, type="service_unavailable", code=self.phase.value)
 
 
 def _error(err: ApiError) -> Response:
@@ -124,90 +137,75 @@ def _json(body: Any, status: int = 200) -> Response:
     return Response(json.dumps(body), status=status, content_type="application/json")
 
 
-def create_app(settings: Settings) -> QuartTrio:
-    app = QuartTrio(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
-    app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as generation does
-    state = ServerState(settings)
-    app.extensions["mlx_nursery"] = state
+async def _body_json() -> Any:
+    raw = await request.get_data()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"the request body is not valid JSON: {exc}") from None
 
-    @app.before_serving
-    async def start_engine() -> None:
-        app.nursery.start_soon(state.host_engine)
 
-    @app.after_serving
-    async def stop_engine() -> None:
-        await state.stop()
+@attrs.frozen
+class Routes:
+    """The HTTP routes over one :class:`ServerState`; handlers never touch mlx."""
 
-    @app.after_request
-    async def cors(response: Response) -> Response:
-        origin = request.headers.get("Origin")
-        allowed = settings.allowed_origins
-        if origin and ("*" in allowed or origin in allowed):
-            response.headers["Access-Control-Allow-Origin"] = "*" if "*" in allowed else origin
-            response.headers["Access-Control-Allow-Headers"] = "*"
-            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
-        return response
+    state: ServerState
 
-    @app.errorhandler(ApiError)
-    async def api_error(err: ApiError) -> Response:
-        return _error(err)
+    @property
+    def settings(self) -> Settings:
+        return self.state.settings
 
-    @app.errorhandler(HTTPException)
-    async def http_error(err: HTTPException) -> Response:
-        if err.code == 413:
-            return _error(
-                ApiError(
-                    413,
-                    f"request body is larger than {settings.max_request_bytes:,} bytes",
-                    code="request_too_large",
-                )
-            )
-        kind = "not_found_error" if err.code == 404 else "invalid_request_error"
-        return _error(ApiError(err.code or 500, err.description or err.name, type=kind))
+    async def chat_completions(self) -> Response:
+        return await self._complete(parse_chat)
 
-    def engine_or_503() -> Engine:
-        if state.phase != "serving" or state.engine is None:
-            message = {
-                "starting": "the model is still loading; retry shortly",
-                "draining": "the server is shutting down",
-                "stopped": "the server is shutting down",
-                "failed": f"the engine failed to start: {state.error}",
-            }[state.phase]
-            raise ApiError(503, message, type="service_unavailable", code=state.phase)
-        return state.engine
+    async def completions(self) -> Response:
+        return await self._complete(parse_completion)
 
-    async def body_json() -> Any:
-        raw = await request.get_data()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad(f"the request body is not valid JSON: {exc}") from None
+    async def models(self) -> Response:
+        card = {
+            "id": self.state.model_id,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "mlx-nursery",
+        }
+        return _json({"object": "list", "data": [card]})
 
-    def check_model(parsed: Parsed) -> None:
-        name = parsed.model
-        served = (state.model_id, state.model_id.rstrip("/").split("/")[-1])
-        if name is None or name in ALIASES or name in served:
+    async def health(self) -> Response:
+        if self.state.phase is ServerPhase.SERVING:
+            return _json({"status": "ok"})
+        return _json({"status": self.state.phase.value, "error": self.state.error}, status=503)
+
+    async def stats(self) -> Response:
+        return _json(stats_json(self.state.engine_or_503().stats()))
+
+    async def metrics(self) -> Response:
+        text = prometheus(self.state.engine_or_503().stats())
+        return Response(text, content_type="text/plain; version=0.0.4")
+
+    def _check_model(self, parsed: Parsed) -> None:
+        name, served = parsed.model, self.state.model_id
+        if name is None or name in ALIASES or name in (served, served.rstrip("/").split("/")[-1]):
             return
         raise ApiError(
             404,
-            f"model {name!r} does not exist; this server serves {state.model_id!r}",
+            f"model {name!r} does not exist; this server serves {served!r}",
             param="model",
             type="not_found_error",
             code="model_not_found",
         )
 
-    async def complete(parser) -> Response:
-        engine = engine_or_503()
-        parsed = parser(await body_json(), settings.defaults)
-        check_model(parsed)
+    async def _complete(self, parser: Callable[..., Parsed]) -> Response:
+        engine = self.state.engine_or_503()
+        parsed = parser(await _body_json(), self.settings.defaults)
+        self._check_model(parsed)
         try:
             stream = engine.submit(parsed.prompt, **parsed.params)
         except InvalidRequest as exc:
-            raise bad(str(exc), exc.param) from None
+            raise bad(str(exc), parsed.field(exc.param)) from None
         if parsed.stream:
+            shaper = ChunkShaper(parsed, self.state.model_id, engine.tokenizer)
             response = Response(
-                _sse(stream, ChunkShaper(parsed, state.model_id, engine.tokenizer), parsed),
+                _sse(stream, shaper, parsed),
                 content_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -218,52 +216,68 @@ def create_app(settings: Settings) -> QuartTrio:
                 result = await stream.result()
         except GenerationFailed as exc:
             raise ApiError(500, str(exc), type="server_error") from None
-        if result.finish_reason == "cancelled":
-            raise ApiError(503, "the request was cancelled: the server is shutting down",
-                           type="service_unavailable")  # fmt: skip
-        return _json(full_response(parsed, state.model_id, result, engine.tokenizer))
+        if result.finish_reason is FinishReason.CANCELLED:
+            message = "the request was cancelled: the server is shutting down"
+            raise ApiError(503, message, type="service_unavailable")
+        return _json(full_response(parsed, self.state.model_id, result, engine.tokenizer))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        return await complete(parse_chat)
+    def cors(self, response: Response) -> Response:
+        origin = request.headers.get("Origin")
+        allowed = self.settings.allowed_origins
+        if origin and ("*" in allowed or origin in allowed):
+            response.headers["Access-Control-Allow-Origin"] = "*" if "*" in allowed else origin
+            response.headers["Access-Control-Allow-Headers"] = "*"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        return response
 
-    @app.post("/v1/completions")
-    async def completions() -> Response:
-        return await complete(parse_completion)
+    def http_error(self, err: HTTPException) -> Response:
+        if err.code == 413:
+            limit = self.settings.max_request_bytes
+            message = f"request body is larger than {limit:,} bytes"
+            return _error(ApiError(413, message, code="request_too_large"))
+        kind = "not_found_error" if err.code == 404 else "invalid_request_error"
+        return _error(ApiError(err.code or 500, err.description or err.name, type=kind))
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return _json(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": state.model_id,
-                        "object": "model",
-                        "created": int(time.time()),
-                        "owned_by": "mlx-nursery",
-                    }
-                ],
-            }
-        )
 
-    @app.get("/health")
-    async def health() -> Response:
-        if state.phase == "serving":
-            return _json({"status": "ok"})
-        return _json({"status": state.phase, "error": state.error}, status=503)
+def create_app(settings: Settings) -> QuartTrio:
+    app = QuartTrio(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
+    app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as generation does
+    state = ServerState(settings)
+    app.extensions["mlx_nursery"] = state
+    routes = Routes(state)
 
-    @app.get("/stats")
-    async def stats() -> Response:
-        engine = engine_or_503()
-        return _json(stats_json(engine.stats()))
+    @app.before_serving
+    async def start_engine() -> None:
+        app.nursery.start_soon(state.host_engine)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        engine = engine_or_503()
-        return Response(prometheus(engine.stats()), content_type="text/plain; version=0.0.4")
+    @app.after_serving
+    async def stop_engine() -> None:
+        await state.stop()
 
+    app.after_request(_async(routes.cors))
+    app.register_error_handler(ApiError, _async(_error))
+    app.register_error_handler(HTTPException, _async(routes.http_error))
+    app.add_url_rule("/v1/chat/completions", view_func=routes.chat_completions, methods=["POST"])
+    app.add_url_rule("/v1/completions", view_func=routes.completions, methods=["POST"])
+    for path, view in (
+        ("/v1/models", routes.models),
+        ("/health", routes.health),
+        ("/stats", routes.stats),
+        ("/metrics", routes.metrics),
+    ):
+        app.add_url_rule(path, view_func=view, methods=["GET"])
     return app
+
+
+def _async(fn: Callable[..., Response]) -> Callable:
+    """Quart awaits its hooks: wrap a plain function as a coroutine function."""
+
+    async def hook(*args: Any) -> Response:
+        return fn(*args)
+
+    hook.__name__ = fn.__name__
+    return hook
 
 
 def _sse_data(body: Any) -> bytes:
@@ -272,9 +286,9 @@ def _sse_data(body: Any) -> bytes:
 
 def _frames(event, shaper: ChunkShaper, parsed: Parsed) -> tuple[bytes, bool]:
     """The SSE frames for one event, and whether the stream ends with it."""
-    if event.finish_reason in ("error", "cancelled"):
+    if event.terminal and not event.finish_reason.finished:
         message = event.error or "the request was cancelled"
-        kind = "server_error" if event.finish_reason == "error" else "cancelled"
+        kind = "server_error" if event.finish_reason is FinishReason.ERROR else "cancelled"
         return _sse_data(ApiError(500, message, type=kind).body()), True
     out = b""
     chunk = shaper.chunk(event)
@@ -295,7 +309,11 @@ async def _sse(stream, shaper: ChunkShaper, parsed: Parsed):
         async with stream:
             async for event in stream:
                 body, ended = _frames(event, shaper, parsed)
-                while not ended and (more := stream.next_nowait()) is not None:
+                while not ended:
+                    try:
+                        more = stream.next_nowait()
+                    except trio.WouldBlock:
+                        break
                     frames, ended = _frames(more, shaper, parsed)
                     body += frames
                 if body:

@@ -7,21 +7,16 @@ import json
 import logging
 import sys
 
+import attrs
 import trio
-from mlx_nursery.actors.budget import parse_budget, parse_bytes
-from mlx_nursery.actors.engine import DTYPES
+from mlx_nursery.actors import EngineSettings, InvalidRequest, SamplingParams
+from mlx_nursery.actors.budget import parse_bytes
+from mlx_nursery.actors.settings import DTYPES
 
 from . import bench
 from .app import Settings
 from .protocol import Defaults
 from .serve import default_model, maybe_reexec_with_openblas, serve
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 def _bytes(value: str) -> int:
@@ -31,23 +26,11 @@ def _bytes(value: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _budget(value: str) -> int | str:
+def _json(value: str) -> object:
     try:
-        return parse_budget(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _json_object(value: str) -> dict:
-    try:
-        obj = json.loads(value)
+        return json.loads(value)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise argparse.ArgumentTypeError(
-            "must be a JSON object, e.g. '{\"enable_thinking\": false}'"
-        )
-    return obj
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,20 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch",
         "--decode-concurrency",
         dest="batch",
-        type=_positive,
+        type=int,
         default=8,
         help="most requests decoding at once (default: 8); 1 pins every request "
         "to the serial lane, for arrival-independent results",
     )
     s.add_argument(
         "--prefill-step-size",
-        type=_positive,
+        type=int,
         default=2048,
         help="prompt tokens per prefill chunk (default: 2048)",
     )
     s.add_argument(
         "--max-tokens",
-        type=_positive,
+        type=int,
         default=512,
         help="default max_tokens when a request gives none (default: 512)",
     )
@@ -101,13 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--chat-template-args",
-        type=_json_object,
+        type=_json,
         default={},
         help="JSON object of extra arguments for the chat template",
     )
     s.add_argument(
         "--kv-budget",
-        type=_budget,
+        type=str,
         default=None,
         help="KV cache bytes the live rows may project to (e.g. 8G), or auto (device "
         "memory minus weights and 20%% headroom); rows that do not fit wait in the queue, "
@@ -127,10 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--dtype",
-        choices=DTYPES,
         default="auto",
-        help="weights dtype; auto casts to float32 on a CPU device, where it is "
-        "the fast dtype (default: auto)",
+        help=f"weights dtype, one of {', '.join(DTYPES)}; auto casts to float32 on a CPU "
+        "device, where it is the fast dtype (default: auto)",
     )
     s.add_argument(
         "--allowed-origins", default="*", help="comma-separated CORS origins, or * (default: *)"
@@ -149,39 +131,54 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    return Settings(
-        model=args.model or str(default_model()),
-        host=args.host,
-        port=args.port,
+    """The server's settings from the flags; each value is checked where its type
+    lives (:class:`EngineSettings`, :class:`SamplingParams`), which raise
+    :class:`InvalidRequest` naming it."""
+    defaults = Defaults(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+    )
+    SamplingParams(**attrs.asdict(defaults))
+    engine = EngineSettings(
         batch=args.batch,
         prefill_step_size=args.prefill_step_size,
-        defaults=Defaults(
-            max_tokens=args.max_tokens,
-            temperature=args.temp,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-        ),
-        chat_template=args.chat_template,
-        chat_template_args=args.chat_template_args,
+        max_tokens=args.max_tokens,
         dtype=args.dtype,
-        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        chat_template=args.chat_template,
+        chat_template_args=args.chat_template_args,
         kv_budget=args.kv_budget,
+    )
+    return Settings(
+        model=args.model or str(default_model()),
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        defaults=defaults,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, getattr(args, "log_level", "WARNING")),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command == "serve":
+        try:
+            settings = settings_from(args)
+        except InvalidRequest as exc:
+            flag = (exc.param or "").replace("_", "-")
+            parser.error(f"--{flag}: {exc}" if flag else str(exc))
         maybe_reexec_with_openblas(argv)
-        state = trio.run(lambda: serve(settings_from(args), handle_signals=True))
+        state = trio.run(lambda: serve(settings, handle_signals=True))
         if state.phase == "failed":
             print(f"mlx-nursery: {state.error}", file=sys.stderr)
             return 1

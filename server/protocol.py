@@ -7,7 +7,7 @@ functions shape engine results into OpenAI's objects.
 
 from __future__ import annotations
 
-import math
+import enum
 import time
 import uuid
 from collections.abc import Mapping
@@ -15,7 +15,6 @@ from typing import Any
 
 import attrs
 from mlx_nursery.actors import Event, Result, Usage
-from mlx_nursery.actors.request import MAX_TOP_LOGPROBS
 
 
 @attrs.frozen
@@ -54,36 +53,35 @@ class Defaults:
     min_p: float = 0.0
 
 
+class Style(enum.Enum):
+    """Which OpenAI object family a request gets back (and its logprobs shape)."""
+
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+
 @attrs.frozen
 class Parsed:
     prompt: Any  # token ids, text, or chat messages
-    params: dict[str, Any]  # SamplingParams fields
+    params: dict[str, Any]  # SamplingParams fields, checked by the engine
     stream: bool
     include_usage: bool
     model: str | None
-    logprobs_style: str  # chat | completion
+    style: Style
+    # Engine parameter -> the body field it came from, where the names differ, so
+    # an engine error names the field the client sent.
+    fields: dict[str, str] = attrs.field(factory=dict)
+
+    def field(self, param: str | None) -> str | None:
+        return self.fields.get(param, param) if param else param
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _number(body, name, lo=None, hi=None, *, integer=False):
-    v = body.get(name)
-    if v is None:
-        return None
-    if integer:
-        ok = isinstance(v, int) and not isinstance(v, bool)
-        kind = "an integer"
-    else:
-        ok = _is_number(v)
-        kind = "a number"
-    if not ok:
-        raise bad(f"'{name}' must be {kind}, got {type(v).__name__}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        span = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-        raise bad(f"'{name}' must be {span}, got {v}", name)
-    return v
+# Body fields that are SamplingParams fields of the same name. Their types and
+# ranges are the engine's to check (one place: SamplingParams).
+_SAMPLING = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias",
+)  # fmt: skip
 
 
 def _bool(body, name) -> bool | None:
@@ -93,70 +91,22 @@ def _bool(body, name) -> bool | None:
     raise bad(f"'{name}' must be a boolean, got {type(v).__name__}", name)
 
 
-def _common(body: Mapping[str, Any], defaults: Defaults) -> dict[str, Any]:
+def _common(body: Mapping[str, Any], defaults: Defaults) -> tuple[dict[str, Any], dict]:
+    """SamplingParams keywords from the body (defaults filled in), and the
+    engine-name -> body-name map for errors."""
     if not isinstance(body, Mapping):
         raise bad("the request body must be a JSON object")
-    n = _number(body, "n", 1, integer=True)
-    if n not in (None, 1):
-        raise bad(f"'n' must be 1: this server returns one choice per request, got {n}", "n")
-    max_tokens = _number(body, "max_completion_tokens", 1, integer=True)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", 1, integer=True)
-    params: dict[str, Any] = {
-        "max_tokens": max_tokens if max_tokens is not None else defaults.max_tokens,
-        "temperature": _pick(_number(body, "temperature", 0, 2), defaults.temperature),
-        "top_p": _pick(_number(body, "top_p", 0, 1), defaults.top_p),
-        "top_k": _pick(_number(body, "top_k", 0, integer=True), defaults.top_k),
-        "min_p": _pick(_number(body, "min_p", 0, 1), defaults.min_p),
-    }
-    if params["top_p"] == 0:
-        raise bad("'top_p' must be greater than 0", "top_p")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = _number(body, name, -2, 2)
-        if v:
-            params[name] = float(v)
-    rep = _number(body, "repetition_penalty", 0)
-    if rep is not None:
-        if rep <= 0:
-            raise bad("'repetition_penalty' must be greater than 0", "repetition_penalty")
-        params["repetition_penalty"] = float(rep)
-    seed = _number(body, "seed", integer=True)
-    if seed is not None:
-        params["seed"] = seed
-    params["stop"] = _stop(body.get("stop"))
-    bias = body.get("logit_bias")
-    if bias is not None:
-        params["logit_bias"] = _logit_bias(bias)
-    return params
-
-
-def _pick(v, default):
-    return default if v is None else v
-
-
-def _stop(stop) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise bad("'stop' must be a non-empty string or a list of them", "stop")
-    return tuple(stop)
-
-
-def _logit_bias(bias) -> dict[int, float]:
-    if not isinstance(bias, Mapping):
-        raise bad("'logit_bias' must be an object of token id to bias", "logit_bias")
-    out = {}
-    for k, v in bias.items():
-        try:
-            token = int(k)
-        except (TypeError, ValueError):
-            raise bad(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
-        if not _is_number(v) or not -100 <= v <= 100:
-            raise bad(f"'logit_bias' value for {k} must be between -100 and 100", "logit_bias")
-        out[token] = float(v)
-    return out
+    n = body.get("n")
+    if n is not None and (n != 1 or isinstance(n, bool)):
+        raise bad(f"'n' must be 1: this server returns one choice per request, got {n!r}", "n")
+    params = {name: body[name] for name in _SAMPLING if body.get(name) is not None}
+    fields = {}
+    if body.get("max_completion_tokens") is not None:
+        params["max_tokens"] = body["max_completion_tokens"]
+        fields["max_tokens"] = "max_completion_tokens"
+    for name, value in attrs.asdict(defaults).items():
+        params.setdefault(name, value)
+    return params, fields
 
 
 def _stream(body) -> tuple[bool, bool]:
@@ -193,7 +143,7 @@ def _content(content, i: int) -> str:
 
 
 def parse_chat(body: Mapping[str, Any], defaults: Defaults) -> Parsed:
-    params = _common(body, defaults)
+    params, fields = _common(body, defaults)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list of messages", "messages")
@@ -204,33 +154,29 @@ def parse_chat(body: Mapping[str, Any], defaults: Defaults) -> Parsed:
         rendered.append({**m, "content": _content(m.get("content"), i)})
     if _bool(body, "logprobs"):
         params["logprobs"] = True
-        top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
-        params["top_logprobs"] = top or 0
+        params["top_logprobs"] = body.get("top_logprobs") or 0
     elif body.get("top_logprobs"):
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     stream, include_usage = _stream(body)
-    return Parsed(rendered, params, stream, include_usage, _model(body), "chat")
+    return Parsed(rendered, params, stream, include_usage, _model(body), Style.CHAT, fields)
 
 
 def parse_completion(body: Mapping[str, Any], defaults: Defaults) -> Parsed:
-    params = _common(body, defaults)
+    params, fields = _common(body, defaults)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("'prompt' is empty", "prompt")
-    elif isinstance(prompt, list) and prompt:
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise bad("'prompt' must be a string or a list of token ids", "prompt")
-    else:
-        raise bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
-    top = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
-    if top is not None:
+    tokens = isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    )
+    if not (isinstance(prompt, str) or tokens):
+        raise bad("'prompt' must be a string or a list of token ids", "prompt")
+    if body.get("logprobs") is not None:  # completions: the number of alternatives
         params["logprobs"] = True
-        params["top_logprobs"] = top
+        params["top_logprobs"] = body["logprobs"]
+        fields["top_logprobs"] = "logprobs"
     stream, include_usage = _stream(body)
-    return Parsed(prompt, params, stream, include_usage, _model(body), "completion")
+    return Parsed(prompt, params, stream, include_usage, _model(body), Style.COMPLETION, fields)
 
 
 # -- responses ------------------------------------------------------------------
@@ -298,7 +244,7 @@ def completion_logprobs(tokenizer, tokens, logprobs, tops, offset: int = 0) -> d
 
 def full_response(parsed: Parsed, model: str, result: Result, tokenizer) -> dict:
     created = int(time.time())
-    if parsed.logprobs_style == "chat":
+    if parsed.style is Style.CHAT:
         lp = None
         if result.logprobs is not None:
             lp = chat_logprobs(tokenizer, result.tokens, result.logprobs, result.top_logprobs)
@@ -343,10 +289,10 @@ class ChunkShaper:
     offset: int = 0
 
     def __attrs_post_init__(self) -> None:
-        self.id = new_id("chatcmpl" if self.parsed.logprobs_style == "chat" else "cmpl")
+        self.id = new_id("chatcmpl" if self.parsed.style is Style.CHAT else "cmpl")
 
     def _wrap(self, choices: list[dict]) -> dict:
-        chat = self.parsed.logprobs_style == "chat"
+        chat = self.parsed.style is Style.CHAT
         return {
             "id": self.id,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -357,8 +303,8 @@ class ChunkShaper:
 
     def chunk(self, event: Event) -> dict | None:
         """The chunk for one event, or None when it carries nothing to send."""
-        chat = self.parsed.logprobs_style == "chat"
-        finish = event.finish_reason if event.finish_reason in ("stop", "length") else None
+        chat = self.parsed.style is Style.CHAT
+        finish = event.finish_reason if event.terminal and event.finish_reason.finished else None
         if not event.text and finish is None and event.logprob is None:
             return None
         lp = None

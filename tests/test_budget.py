@@ -18,7 +18,7 @@ ROW = 256 * 512  # a llama toy row under 256 tokens: one 256-token granule, 512 
 async def test_projection_bounds_what_a_row_really_holds(family):
     prompt = golden(family)["prompts"]["long"]
     async with checked_engine(family, batch=1) as engine:
-        kinds = {c.kind for c in engine.info.kv_costs}
+        kinds = {c.kind.value for c in engine.info.kv_costs}
         projected = engine.project(len(prompt) + 40)
         async with engine.submit(prompt, max_tokens=40) as stream:
             seen = 0
@@ -40,9 +40,10 @@ async def test_rows_beyond_the_budget_queue_fifo_and_all_complete():
     results = {}
 
     async def run(i):
+        submitted = trio.current_time()
         async with engine.submit(CASES[names[i]]["prompt_ids"], max_tokens=40) as stream:
             results[i] = await stream.result()
-            admitted[i] = stream.row.times.prefill_started
+            admitted[i] = submitted + results[i].usage.queue_wait
 
     async with checked_engine(FAMILY, batch=8, kv_budget=2 * ROW) as engine:
         assert engine.project(len(CASES["chat"]["prompt_ids"]) + 40) == ROW

@@ -22,6 +22,7 @@ import pytest
 import trio
 from conftest import _SETTLED, golden, model_path
 from make_goldens import CHAT
+from mlx_nursery.actors import EngineSettings
 from mlx_nursery.server.app import Settings
 from mlx_nursery.server.serve import serve
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,8 +35,11 @@ TIMEOUT = 60
 
 @asynccontextmanager
 async def running_server(**overrides):
-    settings = Settings(model=str(model_path(FAMILY)), port=0, prefill_step_size=32)
-    settings = attrs.evolve(settings, **overrides)
+    engine_fields = attrs.fields_dict(EngineSettings)
+    engine = {k: v for k, v in overrides.items() if k in engine_fields}
+    server = {k: v for k, v in overrides.items() if k not in engine_fields}
+    engine = EngineSettings(**{"dtype": "auto", "prefill_step_size": 32, **engine})
+    settings = Settings(model=str(model_path(FAMILY)), port=0, engine=engine, **server)
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         urls, state = await nursery.start(partial(serve, settings, shutdown=shutdown))

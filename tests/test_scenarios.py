@@ -332,3 +332,75 @@ async def test_a_row_that_ends_at_its_first_token_never_joins_the_batch():
     assert (one.tokens, one.finish_reason) == (case["tokens"][:1], "length")
     assert (none.tokens, none.finish_reason) == ([], "stop")
     assert one.usage.time_to_first_token > 0
+
+
+def stop_string_at(tokenizer, tokens, k=6):
+    """A stop string that first appears once the k-th token (1-based) or a later
+    one is read, as the emitter's streaming detokenizer sees the text, and the
+    index of that token."""
+    detok = tokenizer.detokenizer
+    detok.reset()
+    texts, text = [], ""
+    for token in tokens:
+        detok.add_token(token)
+        text += detok.last_segment
+        texts.append(text)
+    for i in range(k, len(tokens)):
+        before, now = texts[i - 1], texts[i]
+        for n in (3, 2, 4):
+            stop = now[-n:]
+            fresh = stop not in before and now.find(stop) == len(now) - n
+            if len(now) > n and stop.strip() and fresh:
+                return stop, i
+    raise AssertionError("no usable stop string in the golden")
+
+
+async def test_a_stop_string_and_a_cancel_for_the_same_row_end_it_once():
+    _, tokenizer = loaded(FAMILY)
+    cases = serial_cases()
+    case = cases["long"]
+    stop, at = stop_string_at(tokenizer, case["tokens"])
+    sibling = {}
+
+    async def run_sibling():
+        sibling["r"] = await engine.generate(cases["chat"]["prompt_ids"], max_tokens=40)
+
+    terminals, tokens = [], []
+    async with checked_engine(FAMILY, batch=4) as engine:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_sibling)
+            await engine.wait_step(2)
+            async with engine.submit(case["prompt_ids"], max_tokens=60, stop=stop) as stream:
+                async for event in stream:
+                    if event.token is not None:
+                        tokens.append(event.token)
+                        if len(tokens) == at + 1:
+                            # The emitter has just found the stop string and asked for
+                            # the row to finish; the client's cancel follows at once.
+                            stream.cancel("the client gave up")
+                    if event.terminal:
+                        terminals.append(event)
+        await engine.wait_idle()
+        snap = engine.stats()
+    assert len(terminals) == 1
+    assert terminals[0].finish_reason in ("stop", "cancelled")
+    assert stop not in "".join(e.text for e in terminals)
+    assert tokens == case["tokens"][: at + 1]
+    assert snap.finished + snap.cancelled == 2 and snap.errored == 0  # the row and its sibling
+    assert sibling["r"].tokens == cases["chat"]["tokens"]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+async def test_a_stop_string_ends_a_row_like_a_finish_and_keeps_its_kv(batch):
+    _, tokenizer = loaded(FAMILY)
+    case = serial_cases()["long"]
+    stop, at = stop_string_at(tokenizer, case["tokens"])
+    async with checked_engine(FAMILY, batch=batch) as engine:
+        result = await engine.generate(case["prompt_ids"], max_tokens=60, stop=stop)
+        assert result.finish_reason == "stop"
+        assert result.tokens == case["tokens"][: at + 1]
+        assert result.usage.completion_tokens == at + 1
+        assert stop not in result.text
+        follow = case["prompt_ids"] + result.tokens
+        again = await engine.generate(follow, max_tokens=5)
+    assert again.usage.cached_tokens >= len(case["prompt_ids"]), "its KV went to the cache"

@@ -9,17 +9,23 @@ from collections import deque
 import attrs
 import pytest
 import trio
+from mlx_nursery.actors import InvalidRequest
 from mlx_nursery.actors.admission import plan
-from mlx_nursery.actors.decode import finish_reason
 from mlx_nursery.actors.emitter import _split_stop
 from mlx_nursery.actors.gpu import Gpu
-from mlx_nursery.actors.request import Lane, Row, RowTimes, SamplingParams
+from mlx_nursery.actors.prefill import MIN_SHARED, PRIMES_PER_TURN, plan_turn
+from mlx_nursery.actors.request import FinishReason, Lane, SamplingParams
+from mlx_nursery.actors.row import Cancel, End, Finish, IllegalTransition, Phase, Row, RowTimes
+from mlx_nursery.actors.rows import Prefill
+from mlx_nursery.actors.settings import EngineSettings
 from mlx_nursery.actors.stats import Histogram
 
 
-def row(i, lane=Lane.CONTINUOUS, **params):
+def row(i, lane=Lane.CONTINUOUS, prompt=(1, 2), eos=(), **params):
     send, _ = trio.open_memory_channel(1)
-    return Row(i, [1, 2], SamplingParams(**params), lane, send, RowTimes(0.0))
+    p = SamplingParams(**params)
+    stop_ids = frozenset(eos) | frozenset(p.stop_token_ids)
+    return Row(i, list(prompt), p, lane, send, RowTimes(0.0), stop_ids=stop_ids)
 
 
 def ids(rows):
@@ -54,12 +60,108 @@ def test_plan_admits_nothing_while_closing():
     assert plan(q, cap=8, in_batch=0, serial_running=False, closing=True).to_batch == ()
 
 
-def test_finish_reason_by_eos_stop_id_and_length():
-    r = row(0, max_tokens=3, stop_token_ids=(7,))
-    assert finish_reason(r, 5, 1, {9}) is None
-    assert finish_reason(r, 9, 1, {9}) == "stop"
-    assert finish_reason(r, 7, 2, {9}) == "stop"
-    assert finish_reason(r, 5, 3, {9}) == "length"
+def test_the_finish_decision_by_eos_stop_id_and_length():
+    r = row(0, max_tokens=3, stop_token_ids=(7,), eos=(9,))
+    assert r.accept(5) is None and r.end is None
+    assert r.accept(5) is None
+    assert r.accept(5) is FinishReason.LENGTH and r.end == End(FinishReason.LENGTH)
+    for stop in (9, 7):
+        r = row(0, max_tokens=3, stop_token_ids=(7,), eos=(9,))
+        assert r.accept(stop) is FinishReason.STOP and r.tokens == [stop]
+
+
+def test_the_first_end_wins_and_a_second_is_a_no_op():
+    r = row(0)
+    assert r.ask(Finish(0, FinishReason.STOP))
+    assert not r.ask(Cancel(0, "client gone"))
+    assert r.end == End(FinishReason.STOP)
+    r = row(1)
+    assert r.ask(Cancel(1, "client gone"))
+    assert not r.ask(Finish(1, FinishReason.STOP))
+    assert r.end == End(FinishReason.CANCELLED, "client gone")
+    r.move(Phase.PREFILLING)
+    r.move(Phase.ENDED)
+    assert not r.ask_end(End(FinishReason.ERROR, "late")), "an ended row takes no end"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        [Phase.PREFILLING, Phase.JOINING, Phase.DECODING, Phase.ENDED],
+        [Phase.SERIAL, Phase.ENDED],
+        [Phase.ENDED],
+        [Phase.PREFILLING, Phase.ENDED],
+        [Phase.PREFILLING, Phase.JOINING, Phase.ENDED],
+    ],
+)
+def test_a_row_moves_along_its_legal_phases(path):
+    r = row(0)
+    for phase in path:
+        r.move(phase)
+    assert r.phase is path[-1]
+
+
+@pytest.mark.parametrize(
+    ("path", "bad"),
+    [
+        ([], Phase.DECODING),  # queued rows prefill first
+        ([Phase.PREFILLING], Phase.DECODING),  # a row joins before it decodes
+        ([Phase.SERIAL], Phase.DECODING),  # lanes never mix
+        ([Phase.ENDED], Phase.ENDED),  # ended once
+        ([Phase.PREFILLING, Phase.ENDED], Phase.PREFILLING),
+    ],
+)
+def test_an_illegal_transition_raises(path, bad):
+    r = row(0)
+    for phase in path:
+        r.move(phase)
+    with pytest.raises(IllegalTransition, match="cannot go from"):
+        r.move(bad)
+
+
+def job(prompt, done=0, started=False):
+    p = Prefill(None, list(prompt), SamplingParams(), step_size=32)
+    p.start_from([object()] if done else None, done)
+    p.started = started
+    return p
+
+
+def test_plan_turn_shares_the_budget_oldest_first():
+    a, b, c = job(range(100)), job(range(200, 210)), job(range(300, 340))
+    plan = plan_turn([a, b, c], step_size=64)
+    assert [(j is a, n) for j, n in plan][:1] == [(True, 64)]
+    assert len(plan) == 1, "the oldest takes the whole budget when its prompt needs it"
+    a.done = 99  # its prompt is in but its last token: the prime is all that is left
+    plan = plan_turn([a, b, c], step_size=64)
+    assert [(j, n) for j, n in plan] == [(a, 0), (b, 9)]
+    assert len(plan) == PRIMES_PER_TURN  # a turn ends after two primes
+
+
+def test_plan_turn_holds_back_a_joiner_that_shares_an_earlier_ones_prefix():
+    shared = list(range(1000, 1000 + MIN_SHARED + 8))
+    first = job([*shared, 1, 2, 3], started=True)
+    second = job([*shared, 7, 8, 9])
+    plan = plan_turn([first, second], step_size=8)
+    assert [j for j, _ in plan] == [first], "the second waits for the shared part"
+    assert len(shared) in first.snapshot_at, "the first snapshots where they part"
+    first.done = len(shared)
+    plan = plan_turn([first, second], step_size=64)
+    assert second in [j for j, _ in plan], "released once the shared part is in"
+
+
+def test_settings_are_checked_once_by_type():
+    with pytest.raises(InvalidRequest) as err:
+        EngineSettings(batch=0)
+    assert err.value.param == "batch"
+    with pytest.raises(InvalidRequest, match="dtype must be one of"):
+        EngineSettings(dtype="int3")
+    assert EngineSettings(kv_budget="1G").kv_budget == 1 << 30
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(max_tokens="many")
+    assert err.value.param == "max_tokens"
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(stop=5)
+    assert err.value.param == "stop"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,160 @@
+"""Intake: a caller's prompt and parameters become a :class:`Row`, or a typed error.
+
+Every check of a request happens here, before anything is queued: the prompt's
+shape, each sampling parameter (through :class:`SamplingParams`), the model's
+context and the KV budget. Placement on a lane is decided here too.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from .budget import project
+from .errors import ContextOverflow, InvalidRequest
+from .loading import ModelInfo
+from .request import Lane, SamplingParams
+from .row import Row, RowTimes
+from .settings import EngineSettings
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+
+@attrs.define(eq=False)
+class Intake:
+    tokenizer: Any
+    info: ModelInfo
+    settings: EngineSettings
+    budget: int | None  # resolved KV budget in bytes (None: no budget)
+    _ids: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
+
+    def row(
+        self, prompt: Prompt, params: Mapping[str, Any]
+    ) -> tuple[Row, trio.MemoryReceiveChannel]:
+        """A QUEUED row for this request, and the receive end of its event channel
+        (sized for every token plus the terminal event: delivery never blocks).
+        Raises :class:`InvalidRequest` for anything the engine cannot run."""
+        ids, boundary = self.encode(prompt)
+        sampling = SamplingParams.build({"max_tokens": self.settings.max_tokens, **params})
+        self._check_context(ids, sampling)
+        kv = self.project(len(ids) + sampling.max_tokens)
+        self._check_budget(ids, sampling, kv)
+        send, receive = trio.open_memory_channel(sampling.max_tokens + 2)
+        row = Row(
+            id=next(self._ids),
+            prompt=ids,
+            params=sampling,
+            lane=self.place(sampling),
+            events=send,
+            times=RowTimes(submitted=trio.current_time()),
+            stop_ids=self.info.eos | frozenset(sampling.stop_token_ids),
+            snapshot_at=boundary,
+            kv_projected=kv,
+        )
+        return row, receive
+
+    def place(self, params: SamplingParams) -> Lane:
+        """Serial when batching is off or impossible, or a seed asks for reproducibility."""
+        if self.settings.batch <= 1 or not self.info.batchable or params.seed is not None:
+            return Lane.SERIAL
+        return Lane.CONTINUOUS
+
+    def project(self, tokens: int) -> int:
+        """Worst-case KV bytes of one row holding ``tokens`` tokens."""
+        return project(self.info.kv_costs, tokens, self.settings.prefill_step_size)
+
+    # -- the prompt ---------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> tuple[list[int], int | None]:
+        """Token ids, and for chat messages where the last message starts."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt is empty", param="prompt")
+            bos = self.tokenizer.bos_token  # stream_generate's rule for special tokens
+            special = bos is None or not prompt.startswith(bos)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=special)), None
+        items = list(prompt)
+        if not items:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            vocab = self.info.vocab_size
+            bad = [t for t in items if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                raise InvalidRequest(
+                    f"prompt token id {bad[0]} is out of range for a vocabulary of {vocab}",
+                    param="prompt",
+                )
+            return items, None
+        if all(isinstance(m, Mapping) for m in items):
+            return self._chat(items)
+        raise InvalidRequest(
+            "prompt must be a string, a list of token ids, or a list of chat messages",
+            param="prompt",
+        )
+
+    def _chat(self, messages: list[Mapping[str, Any]]) -> tuple[list[int], int | None]:
+        for i, m in enumerate(messages):
+            if "role" not in m or "content" not in m:
+                raise InvalidRequest(
+                    f"messages[{i}] needs a 'role' and a 'content'", param="messages"
+                )
+        ids = self.render(messages, generation_prompt=True)
+        boundary = None
+        if len(messages) > 1:
+            before = self.render(messages[:-1], generation_prompt=False)
+            boundary = len(before) if ids[: len(before)] == before else None
+        return ids, boundary
+
+    def render(self, messages: list, *, generation_prompt: bool) -> list[int]:
+        try:
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=generation_prompt, **self.settings.template
+                )
+            )
+        except Exception as exc:  # a template error is the request's (or the settings')
+            raise InvalidRequest(
+                f"the chat template could not render these messages: {exc}", param="messages"
+            ) from None
+
+    # -- limits ---------------------------------------------------------------------
+
+    def _check_context(self, ids: list[int], params: SamplingParams) -> None:
+        limit = self.info.context_length
+        if limit is None:
+            return
+        if len(ids) >= limit:
+            raise ContextOverflow(
+                f"prompt is {len(ids):,} tokens; this model's context is {limit:,}",
+                param="prompt",
+            )
+        if len(ids) + params.max_tokens > limit:
+            raise ContextOverflow(
+                f"prompt ({len(ids):,} tokens) plus max_tokens ({params.max_tokens:,}) is "
+                f"{len(ids) + params.max_tokens:,}; this model's context is {limit:,}: "
+                f"lower max_tokens to at most {limit - len(ids):,}",
+                param="max_tokens",
+            )
+
+    def _check_budget(self, ids: list[int], params: SamplingParams, kv: int) -> None:
+        budget = self.budget
+        if budget is None or kv <= budget:
+            return
+        fits = max(
+            (n for n in range(0, params.max_tokens, 16) if self.project(len(ids) + n) <= budget),
+            default=None,
+        )
+        hint = (
+            f"lower max_tokens to {fits:,} or less, or raise the KV budget"
+            if fits
+            else "shorten the prompt or raise the KV budget"
+        )
+        raise InvalidRequest(
+            f"this request needs up to {kv:,} bytes of KV cache (prompt {len(ids):,} tokens "
+            f"+ max_tokens {params.max_tokens:,}); the KV budget is {budget:,} bytes: {hint}",
+            param="max_tokens",
+        )

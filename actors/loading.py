@@ -1,0 +1,55 @@
+"""Model loading and inspection (runs on the GPU thread: it calls mlx)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .budget import LayerCost, probe
+
+
+@attrs.frozen
+class ModelInfo:
+    batchable: bool  # every cache layer has mlx-lm's merge (mlx_lm.server's test)
+    context_length: int | None
+    eos: frozenset[int]
+    vocab_size: int | None
+    cache_kinds: tuple[str, ...]  # the cache classes, layer by layer (for logs and /stats)
+    kv_costs: tuple[LayerCost, ...]  # per layer: how its KV bytes grow with length
+    weights_bytes: int
+
+
+def load_model(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
+    """Load (if a path), cast, and inspect the model's caches.
+
+    ``dtype`` ``auto`` is float32 on a CPU device (bf16/fp16 matmuls are emulated
+    there), else the stored dtype; None keeps the stored dtype."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if isinstance(model, str | Path):
+        model, tokenizer = load(str(model))
+    else:
+        model, tokenizer = model
+    if dtype == "auto":
+        dtype = "float32" if mx.default_device().type == mx.DeviceType.cpu else None
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+        mx.eval(model.parameters())
+    caches = make_prompt_cache(model)
+    args = getattr(model, "args", None)
+    context = getattr(args, "max_position_embeddings", None)
+    info = ModelInfo(
+        batchable=all(hasattr(c, "merge") for c in caches),
+        context_length=int(context) if context else None,
+        eos=frozenset(tokenizer.eos_token_ids),
+        vocab_size=getattr(args, "vocab_size", None),
+        cache_kinds=tuple(type(c).__name__ for c in caches),
+        kv_costs=probe(model),
+        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+    )
+    return model, tokenizer, info

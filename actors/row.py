@@ -1,0 +1,143 @@
+"""One live request: the :class:`Row` record and its :class:`Phase` machine.
+
+A row is one record from submit to its end. Exactly one actor owns it at a time
+and it moves between actors inside the message that hands it over:
+
+    engine.submit -> admission (QUEUED) -> prefill (PREFILLING) -> decode (JOINING,
+    DECODING); or admission -> serial (SERIAL); then the owner ends it (ENDED)
+    and hands it to the emitter, which sends its one terminal event.
+
+Only the owner writes the row's mutable fields. The emitter reads the fixed
+fields (id, prompt, params, events) of a row it is handed tokens for, and the
+rest once the owner has ended the row and handed it over.
+
+Two decisions live here, so every owner makes them the same way:
+:meth:`Row.accept` (does this token end the row?) and :meth:`Row.ask_end` (the
+first reason to end wins; a later finish or cancel for the same row is a no-op).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+import trio
+
+from .request import FinishReason, Lane, SamplingParams
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"  # admission's FIFO
+    PREFILLING = "prefilling"  # prefill: prompt chunks, then the first token
+    JOINING = "joining"  # decode: primed, waiting for the next turn to join
+    DECODING = "decoding"  # decode: in the running batch
+    SERIAL = "serial"  # serial lane: generate_step, alone on the GPU
+    ENDED = "ended"  # handed to the emitter with its end
+
+
+_NEXT = {
+    Phase.QUEUED: {Phase.PREFILLING, Phase.SERIAL, Phase.ENDED},
+    Phase.PREFILLING: {Phase.JOINING, Phase.ENDED},
+    Phase.JOINING: {Phase.DECODING, Phase.ENDED},
+    Phase.DECODING: {Phase.ENDED},
+    Phase.SERIAL: {Phase.ENDED},
+    Phase.ENDED: set(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A row was moved to a phase it cannot reach from where it is: an engine bug."""
+
+
+@attrs.frozen
+class End:
+    """Why a row ends. ``detail`` says more (an error message, who cancelled)."""
+
+    reason: FinishReason
+    detail: str | None = None
+
+
+@attrs.frozen
+class Cancel:
+    """End a row that has not finished. Accepted by every owner of a row; admission
+    routes it to the one that holds the row now."""
+
+    row_id: int
+    reason: str
+
+
+@attrs.frozen
+class Finish:
+    """A row reached its end where its owner cannot see it (a stop string, found by
+    the emitter): ended like a finish, its KV kept. Routed like :class:`Cancel`."""
+
+    row_id: int
+    reason: FinishReason
+
+
+@attrs.define(eq=False, repr=False)
+class RowTimes:
+    """Clock readings (``trio.current_time()``), each written once by the row's owner."""
+
+    submitted: float  # engine.submit
+    prefill_started: float | None = None  # prefill / serial
+    prefill_ended: float | None = None  # prefill / serial
+
+
+@attrs.define(eq=False)
+class Row:
+    """One request from submit to its end."""
+
+    id: int
+    prompt: list[int] = attrs.field(repr=lambda p: f"<{len(p)} tokens>")  # no text in logs
+    params: SamplingParams
+    lane: Lane
+    events: trio.MemorySendChannel = attrs.field(repr=False)  # the request's own channel
+    times: RowTimes = attrs.field(repr=False)
+    # Token ids that end the row when sampled: the model's EOS and the request's stop ids.
+    stop_ids: frozenset[int] = attrs.field(default=frozenset(), repr=False)
+    # Where the prompt's last message starts (chat prompts): a snapshot there lets
+    # the next turn of the conversation reuse everything before it.
+    snapshot_at: int | None = None
+    kv_projected: int = 0  # worst-case KV bytes (prompt + max_tokens), for the budget
+    phase: Phase = Phase.QUEUED
+    cached_tokens: int = 0  # prompt tokens taken from the prompt cache
+    # Generated tokens read so far, the first one included. In the continuous lane a
+    # token is read once it has also been fed: these are exactly what the KV holds.
+    tokens: list[int] = attrs.field(factory=list, repr=len)
+    # The current phase's GPU-thread state, touched only inside gpu.call: a
+    # ``rows.Prefill`` while PREFILLING, the primed one-row ``rows.Batch`` while JOINING.
+    work: Any = attrs.field(default=None, repr=False)
+    end: End | None = None  # set once, by ask_end
+
+    def move(self, phase: Phase) -> None:
+        if phase not in _NEXT[self.phase]:
+            raise IllegalTransition(f"row {self.id} cannot go from {self.phase} to {phase}")
+        self.phase = phase
+
+    def accept(self, token: int) -> FinishReason | None:
+        """Record a generated token; returns why the row ends on it, if it does
+        (and asks for that end). EOS and stop ids end it as ``stop``, never shown."""
+        self.tokens.append(token)
+        if token in self.stop_ids:
+            reason = FinishReason.STOP
+        elif len(self.tokens) >= self.params.max_tokens:
+            reason = FinishReason.LENGTH
+        else:
+            return None
+        self.ask_end(End(reason))
+        return reason
+
+    def ask_end(self, end: End) -> bool:
+        """Ask for the row to end; the first reason wins. False if it was already ending."""
+        if self.end is not None or self.phase is Phase.ENDED:
+            return False
+        self.end = end
+        return True
+
+    def ask(self, message: Cancel | Finish) -> bool:
+        """Apply a routed end request; False when the row was already ending."""
+        if isinstance(message, Cancel):
+            return self.ask_end(End(FinishReason.CANCELLED, message.reason))
+        return self.ask_end(End(message.reason))

@@ -1,0 +1,93 @@
+"""One request's events, as the embedding API hands them out."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from .errors import GenerationFailed
+from .request import Event, FinishReason, Result, SamplingParams
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .row import Row
+
+
+@attrs.define(eq=False)
+class RequestStream:
+    """One request's events. Use as ``async with engine.submit(...) as stream``.
+
+    Leaving the block before the terminal event (break, an exception, a cancel)
+    cancels the request: its row is evicted within one step and its KV freed.
+    """
+
+    _engine: Engine
+    _row: Row | None  # handed to admission on entering; never touched after
+    id: int
+    params: SamplingParams
+    _receive: trio.MemoryReceiveChannel
+    _ended: bool = False  # the terminal event has been read
+
+    async def __aenter__(self) -> RequestStream:
+        row, self._row = self._row, None
+        if row is None:
+            raise RuntimeError("a request stream can be entered once")
+        await self._engine._enqueue(row)
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._receive.close()
+        if not self._ended:
+            self.cancel("the consumer left the stream")
+
+    def cancel(self, reason: str = "cancelled by the caller") -> None:
+        """Ask for the request to end now; its terminal event (``cancelled``, or
+        whatever end it reached first) still arrives on the stream."""
+        self._engine._cancel(self.id, reason)
+
+    async def result(self) -> Result:
+        """Read the rest of the stream into a :class:`Result`; raises
+        :class:`GenerationFailed` if it ends in an error event."""
+        tokens, text, logprobs, tops = [], [], [], []
+        async for event in self:
+            text.append(event.text)
+            if event.token is not None:
+                tokens.append(event.token)
+                logprobs.append(event.logprob)
+                tops.append(event.top_logprobs)
+            if event.terminal:
+                if event.finish_reason is FinishReason.ERROR:
+                    raise GenerationFailed(event.error)
+                return Result(
+                    tokens=tokens,
+                    text="".join(text),
+                    finish_reason=event.finish_reason,
+                    usage=event.usage,
+                    logprobs=logprobs if self.params.wants_logprobs else None,
+                    top_logprobs=tops if self.params.top_logprobs else None,
+                )
+        raise GenerationFailed("the stream ended without a terminal event")
+
+    def next_nowait(self) -> Event:
+        """The next event if one is already waiting; raises :class:`trio.WouldBlock`
+        if none is, and :class:`trio.EndOfChannel` after the terminal event."""
+        if self._ended:
+            raise trio.EndOfChannel
+        event = self._receive.receive_nowait()
+        self._ended = event.terminal
+        return event
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            event = await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise StopAsyncIteration from None
+        self._ended = event.terminal
+        return event
