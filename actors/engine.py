@@ -194,78 +194,70 @@ async def open_engine(
         await gpu.stop()
 
 
+@attrs.frozen
+class _Mailbox:
+    """One actor's mailbox: the send end (cloned for each producer) and the inbox."""
+
+    send: trio.MemorySendChannel
+    inbox: trio.MemoryReceiveChannel
+
+    @classmethod
+    def open(cls, size: int) -> _Mailbox:
+        return cls(*trio.open_memory_channel(size))
+
+    def clone(self) -> trio.MemorySendChannel:
+        return self.send.clone()
+
+
 def _wire(
     model: Any, tokenizer: Any, settings: EngineSettings, budget: int | None, gpu: Gpu, stats: Stats
 ) -> tuple[list[Any], trio.MemorySendChannel]:
     """Open every mailbox, then build each actor with its ends, in one pass. Each
-    producer gets its own clone of a send end and closes it when it stops."""
-    open_ = trio.open_memory_channel
-    to_admission, admission_inbox = open_(admission.MAILBOX_SIZE)
-    to_prefill, prefill_inbox = open_(prefill.MAILBOX_SIZE)
-    to_decode, decode_inbox = open_(decode.MAILBOX_SIZE)
-    to_serial, serial_inbox = open_(serial.MAILBOX_SIZE)
-    to_emitter, emitter_inbox = open_(emitter.MAILBOX_SIZE)
-    cache_inbox = to_cache = None
-    if settings.prompt_cache_size > 0:
-        to_cache, cache_inbox = open_(prompt_cache.MAILBOX_SIZE)
+    producer gets its own clone of a send end and closes it when it stops; the
+    originals are closed here, but admission's, which the engine keeps."""
+    adm = _Mailbox.open(admission.MAILBOX_SIZE)
+    pre = _Mailbox.open(prefill.MAILBOX_SIZE)
+    dec = _Mailbox.open(decode.MAILBOX_SIZE)
+    ser = _Mailbox.open(serial.MAILBOX_SIZE)
+    emit = _Mailbox.open(emitter.MAILBOX_SIZE)
+    cache = _Mailbox.open(prompt_cache.MAILBOX_SIZE) if settings.prompt_cache_size else None
 
-    def cache() -> trio.MemorySendChannel | None:
-        return to_cache.clone() if to_cache is not None else None
+    def to_cache() -> trio.MemorySendChannel | None:
+        return cache.clone() if cache is not None else None
+
+    def ends() -> dict[str, Any]:  # what every row owner sends to
+        return {
+            "to_emitter": emit.clone(),
+            "to_admission": adm.clone(),
+            "to_prompt_cache": to_cache(),
+        }
 
     steps = settings.prefill_step_size
     actors: list[Any] = [
         stats,
-        Emitter(tokenizer, stats, inbox=emitter_inbox, to_admission=to_admission.clone()),
-        Decode(
-            model,
-            gpu,
-            stats,
-            inbox=decode_inbox,
-            to_emitter=to_emitter.clone(),
-            to_admission=to_admission.clone(),
-            to_prompt_cache=cache(),
-        ),
-        Serial(
-            model,
-            gpu,
-            stats,
-            steps,
-            inbox=serial_inbox,
-            to_emitter=to_emitter.clone(),
-            to_admission=to_admission.clone(),
-            to_prompt_cache=cache(),
-        ),
-        PrefillActor(
-            model,
-            gpu,
-            stats,
-            steps,
-            inbox=prefill_inbox,
-            to_decode=to_decode,
-            to_emitter=to_emitter.clone(),
-            to_admission=to_admission.clone(),
-            to_prompt_cache=cache(),
-        ),
+        Emitter(tokenizer, stats, inbox=emit.inbox, to_admission=adm.clone()),
+        Decode(model, gpu, stats, inbox=dec.inbox, **ends()),
+        Serial(model, gpu, stats, steps, inbox=ser.inbox, **ends()),
+        PrefillActor(model, gpu, stats, steps, inbox=pre.inbox, to_decode=dec.clone(), **ends()),
         Admission(
             settings.batch,
             budget,
             gpu,
             stats,
-            inbox=admission_inbox,
-            to_prefill=to_prefill,
-            to_serial=to_serial,
-            to_emitter=to_emitter,
-            to_prompt_cache=cache(),
+            inbox=adm.inbox,
+            to_prefill=pre.clone(),
+            to_serial=ser.clone(),
+            to_emitter=emit.clone(),
+            to_prompt_cache=to_cache(),
         ),
     ]
-    if cache_inbox is not None:
-        bytes_cap = settings.prompt_cache_bytes or 1 << 62
-        cache_actor = PromptCacheActor(
-            gpu, stats, cache_inbox, settings.prompt_cache_size, bytes_cap
-        )
-        actors.insert(1, cache_actor)
-        to_cache.close()  # every user holds its own clone
-    return actors, to_admission
+    if cache is not None:
+        size, cap = settings.prompt_cache_size, settings.prompt_cache_bytes or 1 << 62
+        actors.insert(1, PromptCacheActor(gpu, stats, cache.inbox, size, cap))
+    for box in (pre, dec, ser, emit, cache):
+        if box is not None:
+            box.send.close()
+    return actors, adm.send
 
 
 @asynccontextmanager
