@@ -76,6 +76,11 @@ class Engine:
         async with self.submit(prompt, **params) as stream:
             return await stream.result()
 
+    @property
+    def model_id(self) -> str:
+        """The served model's public name (a file or directory stem, never a path)."""
+        return self.info.id
+
     def encode(self, prompt: Prompt) -> list[int]:
         """The token ids ``submit`` would run for ``prompt``."""
         return self.intake.encode(prompt)[0]

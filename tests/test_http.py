@@ -141,7 +141,7 @@ async def test_openai_client_sync_chat_stream_and_completion():
     # legacy completions key alternatives by token text: byte tokens of one partial
     # UTF-8 sequence all read "\ufffd", so they may collapse into one key
     assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)
-    assert [m.id for m in models.data] == [str(model_path(FAMILY))]
+    assert [m.id for m in models.data] == ["llama"]  # a short id, never a path
 
 
 async def test_sse_framing_and_chat_logprobs():

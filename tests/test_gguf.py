@@ -1,0 +1,271 @@
+"""GGUF in, mlx-lm model out: a tiny GGUF written here with the ``gguf`` package's
+writer (quantized and float tensors, a small byte-level BPE vocabulary) round-trips
+to a model whose logits match the source weights; broken files are refused with
+the file's name and the problem, and leave no half-written model in the cache.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_nursery.actors.loading import load_model
+from mlx_nursery.server.gguf import GGUFError, converted
+from mlx_nursery.server.models import short_id
+
+HIDDEN, HEADS, KV_HEADS, LAYERS, FFN = 64, 4, 2, 2, 128
+HEAD_DIM = HIDDEN // HEADS
+Q = gguf.GGMLQuantizationType
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokens() -> list[str]:
+    """GPT-2's byte-to-unicode alphabet: byte-level BPE's 256 base tokens."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return [chars[b] for b in range(256)]
+
+
+MERGES = ["h e", "l l", "he ll", "o Ġ", "w o"]
+SPECIAL = ["<|im_start|>", "<|im_end|>"]
+TOKENS = [*byte_tokens(), "he", "ll", "hell", "oĠ", "wo", *SPECIAL]
+VOCAB = len(TOKENS)
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order (interleaved RoPE pairs), as its converter writes it."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def source_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+
+    def m(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    w = {
+        "token_embd": m(VOCAB, HIDDEN),
+        "output_norm": 1 + 0.1 * m(HIDDEN),
+        "output": m(VOCAB, HIDDEN),
+    }
+    for i in range(LAYERS):
+        w |= {
+            f"blk.{i}.attn_q": m(HEADS * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_k": m(KV_HEADS * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_v": m(KV_HEADS * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_output": m(HIDDEN, HEADS * HEAD_DIM),
+            f"blk.{i}.ffn_gate": m(FFN, HIDDEN),
+            f"blk.{i}.ffn_up": m(FFN, HIDDEN),
+            f"blk.{i}.ffn_down": m(HIDDEN, FFN),
+            f"blk.{i}.attn_norm": 1 + 0.1 * m(HIDDEN),
+            f"blk.{i}.ffn_norm": 1 + 0.1 * m(HIDDEN),
+        }
+    return w
+
+
+def qtype_of(name: str) -> Q:
+    """Mixed widths as real files have them: Q8_0 embedding, Q4_0/Q4_1 layers, F16, F32."""
+    if name == "token_embd":
+        return Q.Q8_0
+    if name.endswith(("attn_q", "attn_k", "ffn_gate")):
+        return Q.Q4_0
+    if name.endswith(("attn_v", "attn_output", "ffn_up")):
+        return Q.Q4_1
+    if name.endswith("ffn_down"):
+        return Q.F16
+    return Q.F32
+
+
+def write_gguf(path: Path, *, arch: str = "llama", override: dict | None = None) -> dict:
+    """Write a tiny GGUF as llama.cpp's converter would; returns the weights it
+    holds, dequantized, in the original (HF) layout: what the model must compute."""
+    weights, held = source_weights(), {}
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([1] * (VOCAB - len(SPECIAL)) + [3] * len(SPECIAL))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(VOCAB - 2)
+    writer.add_eos_token_id(VOCAB - 1)
+    writer.add_chat_template(TEMPLATE)
+    for name, w in weights.items():
+        qtype = (override or {}).get(name, qtype_of(name))
+        stored = w
+        if name.endswith("attn_q"):
+            stored = permute(w, HEADS)
+        elif name.endswith("attn_k"):
+            stored = permute(w, KV_HEADS)
+        if qtype in (Q.F32, Q.F16):
+            data = stored.astype(np.float32 if qtype == Q.F32 else np.float16)
+            writer.add_tensor(f"{name}.weight", data)
+            held[name] = data.astype(np.float32)
+            if name.endswith(("attn_q", "attn_k")):
+                held[name] = w.astype(data.dtype).astype(np.float32)
+            continue
+        if qtype == Q.Q8_1:  # no quantizer for it here: its bytes are enough to refuse it
+            _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            raw = np.zeros((stored.shape[0], stored.shape[1] // 32 * type_size), dtype=np.uint8)
+            writer.add_tensor(f"{name}.weight", raw, raw_dtype=qtype)
+            continue
+        writer.add_tensor(f"{name}.weight", gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
+        # Quantization blocks run along rows, so un-permuting commutes with it.
+        held[name] = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
+def reference_logits(held: dict, tokens: list[int]) -> np.ndarray:
+    """mlx-lm's own llama on the held weights, in HF layout (non-traditional RoPE)."""
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+        intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = llama.Model(args)
+    names = {
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }  # fmt: skip
+    top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+    weights = []
+    for name, w in held.items():
+        if name in top:
+            key = top[name]
+        else:
+            _, i, part = name.split(".")
+            key = f"model.layers.{i}.{names[part]}"
+        weights.append((f"{key}.weight", mx.array(w)))
+    model.load_weights(weights)
+    return np.array(model(mx.array([tokens]))[0])
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("MLX_NURSERY_CACHE", str(root))
+    return root
+
+
+def test_a_tiny_gguf_round_trips_to_a_model_whose_logits_match_its_weights(tmp_path, cache):
+    path = tmp_path / "Tiny-Llama-Chat.Q4_1.gguf"
+    held = write_gguf(path)
+    out = converted(path)
+    assert out.parent == cache / "models" and (out / "model.safetensors").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_traditional"] is True and config["tie_word_embeddings"] is False
+    q = config["quantization"]
+    assert (
+        q["model.embed_tokens"]["bits"] == 8 and q["model.layers.0.self_attn.q_proj"]["bits"] == 4
+    )
+    assert "model.layers.0.mlp.down_proj" not in q  # F16 stays a float layer
+    assert converted(path) == out, "converted once, reused after"
+
+    model, tokenizer, info = load_model(str(path), "float32")
+    assert info.id == "tiny-llama-chat" and info.eos == frozenset({VOCAB - 1})
+    tokens = tokenizer.encode("hello world, hello!")
+    assert tokenizer.decode(tokens) == "hello world, hello!"
+    assert TOKENS.index("hell") in tokens  # the merges apply
+    got = np.array(model(mx.array([tokens]))[0])
+    want = reference_logits(held, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True
+    )
+    assert chat[0] == TOKENS.index("<|im_start|>") and TOKENS.index("<|im_end|>") in chat
+
+
+def test_the_quantized_model_keeps_mlx_s_quantized_layers(tmp_path, cache):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    import mlx.nn as nn
+
+    model, _, _ = load_model(str(path), None)
+    kinds = {type(m) for _, m in model.named_modules()}
+    assert nn.QuantizedLinear in kinds and nn.QuantizedEmbedding in kinds
+    model, _, _ = load_model(str(path), "float32")
+    assert nn.QuantizedLinear not in {type(m) for _, m in model.named_modules()}
+
+
+def test_a_file_with_types_mlx_cannot_read_is_dequantized(tmp_path, cache):
+    # Q5_0 / Q5_1 take the same path as the K-quants (the gguf package dequantizes
+    # them), and unlike the K-quants they can be written here.
+    path = tmp_path / "tiny-q5.gguf"
+    held = write_gguf(path, override={"blk.0.ffn_up": Q.Q5_0, "blk.1.ffn_down": Q.Q5_1})
+    model, tokenizer, _ = load_model(str(path), "float32")
+    tokens = tokenizer.encode("well hello")
+    np.testing.assert_allclose(
+        np.array(model(mx.array([tokens]))[0]), reference_logits(held, tokens), rtol=1e-4, atol=1e-4
+    )
+
+
+def assert_refused(path: Path, cache: Path, match: str) -> None:
+    with pytest.raises(GGUFError, match=match) as err:
+        converted(path)
+    assert str(path) in str(err.value), "the error names the file"
+    models = cache / "models"
+    assert not models.exists() or not any(models.iterdir()), "no half-written model is left"
+
+
+def test_broken_files_are_refused_by_name_and_leave_the_cache_clean(tmp_path, cache):
+    good = tmp_path / "good.gguf"
+    write_gguf(good)
+    data = good.read_bytes()
+
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) // 2])
+    assert_refused(truncated, cache, "cannot read the file")
+
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + bytes(np.random.default_rng(1).integers(0, 256, 4096, np.uint8)))
+    assert_refused(corrupt, cache, "cannot read the file")
+
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("hello")
+    assert_refused(not_gguf, cache, "not a GGUF file")
+
+    bert = tmp_path / "bert.gguf"
+    write_gguf(bert, arch="bert")
+    assert_refused(bert, cache, "architecture 'bert' is not supported")
+
+    q8_1 = tmp_path / "q81.gguf"
+    write_gguf(q8_1, override={"blk.0.ffn_up": Q.Q8_1})
+    assert_refused(q8_1, cache, "blk.0.ffn_up.weight uses quantization Q8_1")
+
+
+def test_models_are_named_by_a_short_id_never_a_path():
+    assert short_id("/x/y/SmolLM2-135M-Instruct.Q4_1.gguf") == "smollm2-135m-instruct"
+    assert short_id("/m/gemma-3-270m-it-Q4_K_M.gguf") == "gemma-3-270m-it"
+    assert short_id("/models/llama/") == "llama"
+    assert short_id("mlx-community/Qwen3-0.6B-4bit") == "Qwen3-0.6B-4bit"
