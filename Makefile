@@ -50,12 +50,14 @@ serve: install openblas
 	$(BIN)/mlx-nursery serve $(ARGS)
 
 # Engine and server against mlx-lm on the 30M benchmark model (built once into
-# ~/.cache/mlx-nursery); writes docs/benchmarks.md, docs/bench/. A few minutes.
+# ~/.cache/mlx-nursery), then on the real default model (SmolLM2-135M-Instruct,
+# dequantized to float32); writes docs/benchmarks.md, docs/bench/. About 40 minutes.
 BENCH_MODEL ?= $(HOME)/.cache/mlx-nursery/bench-llama-30m
 bench: install openblas
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	$(BIN)/python goldens/make_bench_model.py --if-missing --out $(BENCH_MODEL)
 	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL)
+	$(BIN)/python -m mlx_nursery.server.benchsuite --real
 
 # Rebuild the tiny models and re-record the mlx-lm goldens (mlx-lm only).
 goldens: install

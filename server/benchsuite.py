@@ -361,26 +361,64 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_docs(results: dict) -> None:
+def write_docs(results: dict, section: str) -> None:
+    """Raw figures, the plot and the tables of one section (one model) of the page."""
     out = DOCS / "bench"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results["http"], out / "http_clients.png")
+    suffix = f"-{section}" if section else ""
+    (out / f"results{suffix}.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results["http"], out / f"http_clients{suffix}.png")
     doc = DOCS / "benchmarks.md"
-    text = (
-        doc.read_text()
-        if doc.exists()
-        else "# Benchmarks\n\n<!-- bench:start -->\n<!-- bench:end -->\n"
-    )
-    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    tag = f"bench:{section}:" if section else "bench:"
+    start, end = f"<!-- {tag}start -->", f"<!-- {tag}end -->"
+    if start not in text:
+        text += f"\n{start}\n{end}\n"
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
-    doc.write_text(f"{head}{start}\n{markdown(results)}\n{end}{tail}")
+    body = markdown(results).replace("bench/http_clients.png", f"bench/http_clients{suffix}.png")
+    doc.write_text(f"{head}{start}\n{body}\n{end}{tail}")
+
+
+def float32_copy(gguf_file: Path) -> Path:
+    """The converted GGUF model, dequantized to float32 and saved, so that both
+    servers (mlx_lm.server has no dtype flag) and both in-process sides run the
+    same float32 weights."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx_lm.utils import dequantize_model, load, save_model
+
+    from .models import resolve
+
+    source = Path(resolve(gguf_file))
+    out = source.with_name(source.name + "-float32")
+    if (out / "config.json").is_file():
+        return out
+    model, _ = load(str(source))
+    model.set_dtype(mx.float32)
+    model = dequantize_model(model)
+    model.set_dtype(mx.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(tmp, model)
+    config = json.loads((source / "config.json").read_text())
+    config.pop("quantization", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, tmp / name)
+    tmp.replace(out)
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="the benchmark model directory")
+    parser.add_argument("--model", help="the benchmark model directory")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="benchmark the default real model (SmolLM2-135M-Instruct) in float32",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-http", action="store_true")
     args = parser.parse_args()
@@ -392,6 +430,15 @@ def main() -> int:
 
     from mlx_lm import load as mlx_load
 
+    from .models import DEFAULT, fetch
+
+    if args.real:
+        args.model = str(float32_copy(fetch(DEFAULT)))
+        label, section = "SmolLM2-135M-Instruct (dequantized from its Q4_1 GGUF)", "smollm2"
+    elif args.model:
+        label, section = "bench-llama-30m (hidden 512, 8 layers, vocab 8192)", ""
+    else:
+        parser.error("give --model DIR or --real")
     model, tokenizer = mlx_load(args.model)
     print(f"benchmarking {args.model} on {blas()}", flush=True)
     results = {
@@ -401,7 +448,7 @@ def main() -> int:
             if sys.platform.startswith("linux")
             else platform.platform(),
             "blas": blas(),
-            "model": "bench-llama-30m (hidden 512, 8 layers, vocab 8192)",
+            "model": label,
             "mlx": metadata.version("mlx"),
             "mlx_lm": metadata.version("mlx-lm"),
             "repeats": args.repeats,
@@ -429,7 +476,7 @@ def main() -> int:
     }
     if not args.skip_http:
         results["http"] = http(args.model, args.repeats, tokenizer)
-        write_docs(results)
+        write_docs(results, section)
     print(markdown(results) if "http" in results else json.dumps(results["engine"], indent=1))
     return 0
 
