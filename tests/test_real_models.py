@@ -36,7 +36,13 @@ def long_document() -> str:
     """A held-out prompt past 4,000 tokens: varied sentences, no repeats of a block."""
     subjects = ["The river", "A lighthouse keeper", "The old library", "Every winter", "The market"]
     verbs = ["remembers", "measures", "carries", "hides", "counts"]
-    objects = ["the tides", "forty lanterns", "a map of the coast", "the first snow", "copper coins"]
+    objects = [
+        "the tides",
+        "forty lanterns",
+        "a map of the coast",
+        "the first snow",
+        "copper coins",
+    ]
     lines = [
         f"{i}. {subjects[i % 5]} {verbs[(i // 5) % 5]} {objects[(i // 25) % 5]} near harbour {i}."
         for i in range(330)
