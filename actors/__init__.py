@@ -4,7 +4,14 @@ See ``engine.open_engine`` for the embedding API.
 """
 
 from .engine import Engine, open_engine
-from .errors import ContextOverflow, EngineClosed, EngineError, GenerationFailed, InvalidRequest
+from .errors import (
+    ContextOverflow,
+    EngineClosed,
+    EngineError,
+    GenerationFailed,
+    InvalidRequest,
+    Overloaded,
+)
 from .loading import ModelInfo
 from .request import Event, FinishReason, Lane, Result, SamplingParams, TopLogprob, Usage
 from .settings import EngineSettings
@@ -24,6 +31,7 @@ __all__ = [
     "InvalidRequest",
     "Lane",
     "ModelInfo",
+    "Overloaded",
     "RequestStream",
     "Result",
     "SamplingParams",

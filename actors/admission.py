@@ -14,6 +14,7 @@ model; the actor only applies it.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import deque
 
 import attrs
@@ -24,16 +25,37 @@ from .gpu import Gpu
 from .prompt_cache import Trim
 from .request import FinishReason, Lane
 from .row import Cancel, End, Finish, Phase, Row
-from .stats import Gauge, Observe, Stats
+from .stats import Count, Gauge, Observe, Stats
 
 MAILBOX_SIZE = 4096
+DEFAULT_STEP_SECONDS = 0.05  # for Retry-After before any step has been measured
 
 
 @attrs.frozen
 class Submit:
-    """Hands a row over: engine -> admission (QUEUED), admission -> prefill or serial."""
+    """Hands a row over: admission -> prefill or serial."""
 
     row: Row
+
+
+@attrs.frozen
+class Enqueue:
+    """engine -> admission: queue ``row``; ``reply`` gets :class:`Accepted` or
+    :class:`Refused` at once (the queue is full)."""
+
+    row: Row
+    reply: trio.MemorySendChannel = attrs.field(repr=False)
+
+
+@attrs.frozen
+class Accepted:
+    pass
+
+
+@attrs.frozen
+class Refused:
+    queued: int  # rows waiting when it was refused
+    retry_after: float  # seconds, estimated from the queue ahead and the step rate
 
 
 @attrs.frozen
@@ -96,6 +118,8 @@ class Admission:
     to_serial: trio.MemorySendChannel
     to_emitter: trio.MemorySendChannel
     to_prompt_cache: trio.MemorySendChannel | None  # gets Trim as the live KV moves
+    max_queued: int = 64  # rows waiting beyond this are refused (Overloaded, HTTP 429)
+    queue_timeout: float | None = None  # seconds a row may wait before it fails
     _queue: deque[Row] = attrs.field(factory=deque, init=False)
     _lanes: dict[int, Lane] = attrs.field(factory=dict, init=False)  # admitted rows
     _projected: dict[int, int] = attrs.field(factory=dict, init=False)  # their KV bytes
@@ -114,18 +138,55 @@ class Admission:
         with self.inbox, self.to_prefill, self.to_serial, self.to_emitter, cache:
             task_status.started()
             live = 0
-            async for message in self.inbox:
-                await self.dispatch(message)
+            while True:
+                with trio.move_on_at(self._next_expiry()):
+                    try:
+                        message = await self.inbox.receive()
+                    except trio.EndOfChannel:
+                        return
+                    await self.dispatch(message)
+                await self._expire()
                 await self._admit()
                 now_live = sum(self._projected.values())
-                self.stats.post(
-                    Gauge("pending_rows", len(self._queue)),
-                    Gauge("active_rows", len(self._lanes)),
-                    Gauge("kv_projected_bytes", now_live),
-                )
+                self._report(now_live)
                 if now_live != live:
                     live = now_live
                     self._trim_prompt_cache(live)
+
+    def _report(self, live: int) -> None:
+        oldest = trio.current_time() - self._queue[0].times.submitted if self._queue else 0.0
+        self.stats.post(
+            Gauge("pending_rows", len(self._queue)),
+            Gauge("active_rows", len(self._lanes)),
+            Gauge("kv_projected_bytes", live),
+            Gauge("queue_oldest_wait", oldest),
+        )
+
+    def _next_expiry(self) -> float:
+        if self.queue_timeout is None or not self._queue:
+            return math.inf
+        return self._queue[0].times.submitted + self.queue_timeout
+
+    async def _expire(self) -> None:
+        """Rows that waited longer than the queue timeout fail (oldest first)."""
+        now = trio.current_time()
+        while self._queue and now >= self._next_expiry():
+            row = self._queue.popleft()
+            waited = now - row.times.submitted
+            detail = (
+                f"the request waited {waited:.1f} s in the queue, longer than the queue "
+                f"timeout ({self.queue_timeout:g} s); retry later"
+            )
+            self.stats.post(Count("queue_timeouts"))
+            await self._end_queued(row, End(FinishReason.ERROR, detail, code="queue_timeout"))
+
+    def retry_after(self) -> float:
+        """Seconds until the queue ahead has likely drained: its tokens, at the
+        measured step time, shared among the batch's slots (at least 1 s)."""
+        steps = self.stats.snapshot().step_time
+        step = steps.sum / steps.count if steps.count else DEFAULT_STEP_SECONDS
+        ahead = sum(r.params.max_tokens for r in self._queue)
+        return max(1.0, step * ahead / max(1, self.cap))
 
     def _trim_prompt_cache(self, live: int) -> None:
         """The prompt cache and the live rows share the budget: the cache keeps what
@@ -135,13 +196,24 @@ class Admission:
         with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
             self.to_prompt_cache.send_nowait(Trim(self.budget - live))
 
-    async def dispatch(self, message: Submit | Cancel | Finish | Left | Shutdown) -> None:
+    async def dispatch(self, message: Enqueue | Cancel | Finish | Left | Shutdown) -> None:
         match message:
-            case Submit(row):
-                if self._closing:
-                    await self._end_queued(row, "engine shutting down")
-                else:
-                    self._queue.append(row)
+            case Enqueue(row, reply):
+                with reply:
+                    if self._closing:
+                        reply.send_nowait(Accepted())
+                        self.stats.post(Count("submitted"))
+                        await self._end_queued(
+                            row, End(FinishReason.CANCELLED, "engine shutting down")
+                        )
+                    elif len(self._queue) >= self.max_queued:
+                        self.stats.post(Count("overloaded"))
+                        reply.send_nowait(Refused(len(self._queue), self.retry_after()))
+                        row.events.close()
+                    else:
+                        reply.send_nowait(Accepted())
+                        self.stats.post(Count("submitted"))
+                        self._queue.append(row)
             case Cancel(row_id, _) | Finish(row_id, _):
                 await self._route(row_id, message)
             case Left(row_id):
@@ -158,8 +230,8 @@ class Admission:
             case _:
                 raise TypeError(f"admission got an unexpected message: {message!r}")
 
-    async def _end_queued(self, row: Row, reason: str) -> None:
-        row.ask_end(End(FinishReason.CANCELLED, reason))
+    async def _end_queued(self, row: Row, end: End) -> None:
+        row.ask_end(end)
         row.move(Phase.ENDED)
         await self.to_emitter.send(Ended(row))
 
@@ -169,7 +241,7 @@ class Admission:
             if row.id == row_id:
                 if isinstance(message, Cancel):
                     self._queue.remove(row)
-                    await self._end_queued(row, message.reason)
+                    await self._end_queued(row, End(FinishReason.CANCELLED, message.reason))
                 return
         lane = self._lanes.get(row_id)
         if lane is Lane.CONTINUOUS:

@@ -147,6 +147,10 @@ class Decode:
         for row, s in zip(self._rows, sampled, strict=True):
             if s is None or row.end is not None:
                 continue  # a first token already delivered, or a row already ending
+            if s.error is not None:  # its own work failed: it alone ends
+                row.ask_end(End(FinishReason.ERROR, s.error))
+                self.stats.post(Count("row_faults"))
+                continue
             reason = row.accept(s.token)  # read = fed: exactly what the row's KV holds
             shown = None if reason is FinishReason.STOP else s.token  # EOS is never shown
             out.append(TokenOut(row, shown, s.logprob, s.top_logprobs, ends=reason is not None))

@@ -58,6 +58,7 @@ class Halt(enum.Enum):
 
     STOP_STRING = "stop string"
     GONE = "the consumer stopped reading"
+    FAULT = "its text could not be made"  # the detokenizer or stop matching raised
 
 
 @attrs.define(eq=False)
@@ -67,6 +68,7 @@ class _Delivery:
     delivered: int = 0  # tokens delivered (usage's completion_tokens)
     first_token_at: float | None = None
     halted: Halt | None = None  # set once the owner has been asked to end the row
+    fault: str | None = None  # what went wrong in this row's delivery
 
 
 def _split_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
@@ -129,7 +131,11 @@ class Emitter:
         row, d = item.row, self._delivery(item.row)
         shown = 0
         if item.token is not None and d.halted is None:
-            shown = self._show(row, d, item)
+            try:
+                shown = self._show(row, d, item)
+            except Exception as exc:  # this row's text alone: the others go on
+                d.fault = f"this request failed in delivery: {type(exc).__name__}: {exc}"
+                self._halt(row, d, Halt.FAULT)
         if item.ends:
             self._end(row)
         return shown
@@ -152,11 +158,13 @@ class Emitter:
     def _halt(self, row: Row, d: _Delivery, why: Halt) -> None:
         """Stop delivering ``row`` and ask its owner to end it."""
         d.halted = why
-        ask = (
-            Finish(row.id, FinishReason.STOP)
-            if why is Halt.STOP_STRING
-            else Cancel(row.id, why.value)
-        )
+        match why:
+            case Halt.STOP_STRING:
+                ask = Finish(row.id, FinishReason.STOP)
+            case Halt.FAULT:
+                ask = Finish(row.id, FinishReason.ERROR, d.fault)
+            case Halt.GONE:
+                ask = Cancel(row.id, why.value)
         # Admission's mailbox is large and never waits on us; if it is closed the
         # engine is shutting down, and shutdown ends every row anyway.
         closed = (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError)
@@ -172,17 +180,23 @@ class Emitter:
 
     def _end(self, row: Row) -> None:
         """The row's one terminal event, and its count in the ledger."""
-        end = row.end
+        reason, detail = row.end.reason, row.end.detail
         d = self._rows.pop(row.id, None) or _Delivery(self.tokenizer.detokenizer)
         text = ""
-        if end.reason.finished and d.halted is None:
-            d.detokenizer.finalize()
-            text, _, _ = _split_stop(d.held + d.detokenizer.last_segment, row.params.stop)
+        if reason.finished and d.halted is None:
+            try:
+                d.detokenizer.finalize()
+                text, _, _ = _split_stop(d.held + d.detokenizer.last_segment, row.params.stop)
+            except Exception as exc:
+                reason = FinishReason.ERROR
+                detail = f"this request failed in delivery: {type(exc).__name__}: {exc}"
         usage = usage_of(row, d, trio.current_time())
-        event = Event(None, text, finish_reason=end.reason, error=end.detail, usage=usage)
+        event = Event(
+            None, text, finish_reason=reason, error=detail, error_code=row.end.code, usage=usage
+        )
         self._deliver(row, event)
         row.events.close()
-        self.stats.post(Count(_LEDGER[end.reason]))
+        self.stats.post(Count(_LEDGER[reason]))
 
 
 def usage_of(row: Row, d: _Delivery, finished: float) -> Usage:

@@ -14,6 +14,7 @@ the GPU actor's thread. See ``docs/engine.md`` for the graph and a row's life.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,11 +24,11 @@ import attrs
 import trio
 
 from . import admission, decode, emitter, prefill, prompt_cache, serial
-from .admission import Admission, Shutdown, Submit
+from .admission import Admission, Enqueue, Refused, Shutdown
 from .budget import auto_budget
 from .decode import Decode
 from .emitter import Emitter
-from .errors import EngineClosed, InvalidRequest
+from .errors import EngineClosed, InvalidRequest, Overloaded
 from .gpu import Gpu
 from .intake import Intake, Prompt
 from .loading import ModelInfo, load_model
@@ -39,6 +40,7 @@ from .serial import Serial
 from .settings import EngineSettings
 from .stats import Count, Stats, StatsSnapshot
 from .stream import RequestStream
+from .watchdog import Watchdog, stall_reason
 
 SHUTDOWN_GRACE_SECONDS = 10.0  # rows in flight get this long to take their terminal event
 
@@ -52,6 +54,7 @@ class Engine:
     intake: Intake
     stats_actor: Stats
     _to_admission: trio.MemorySendChannel
+    _gpu: Gpu
     _closed: bool = False
 
     # -- the API ----------------------------------------------------------------
@@ -75,6 +78,10 @@ class Engine:
         """Run one request to its end; raises :class:`GenerationFailed` on an error event."""
         async with self.submit(prompt, **params) as stream:
             return await stream.result()
+
+    def health(self) -> str | None:
+        """None when healthy; else why not (a GPU call past the step timeout)."""
+        return stall_reason(self._gpu, self.settings.step_timeout)
 
     @property
     def model_id(self) -> str:
@@ -127,8 +134,17 @@ class Engine:
     async def _enqueue(self, row: Row) -> None:
         if self._closed:
             raise EngineClosed("the engine is shutting down and takes no new requests")
-        self.stats_actor.post(Count("submitted"))
-        await self._to_admission.send(Submit(row))
+        send, receive = trio.open_memory_channel(1)
+        await self._to_admission.send(Enqueue(row, send))
+        with receive:
+            answer = await receive.receive()
+        if isinstance(answer, Refused):
+            raise Overloaded(
+                f"the server is busy: {answer.queued} requests are already waiting; "
+                f"retry in {math.ceil(answer.retry_after)} s",
+                queued=answer.queued,
+                retry_after=answer.retry_after,
+            )
 
     def _cancel(self, row_id: int, reason: str) -> None:
         # When closing, shutdown cancels every row anyway.
@@ -187,7 +203,7 @@ async def open_engine(
         )
         actors, to_admission = _wire(loaded, tokenizer, settings, budget, gpu, stats)
         intake = Intake(tokenizer, info, settings, budget)
-        engine = Engine(loaded, tokenizer, info, settings, intake, stats, to_admission)
+        engine = Engine(loaded, tokenizer, info, settings, intake, stats, to_admission, gpu)
         async with _running(actors) as actors_scope:
             try:
                 yield engine
@@ -254,8 +270,11 @@ def _wire(
             to_serial=ser.clone(),
             to_emitter=emit.clone(),
             to_prompt_cache=to_cache(),
+            max_queued=settings.queue_limit,
+            queue_timeout=settings.queue_timeout,
         ),
     ]
+    actors.append(Watchdog(gpu, stats, settings.step_timeout))
     if cache is not None:
         size, cap = settings.prompt_cache_size, settings.prompt_cache_bytes or 1 << 62
         actors.insert(1, PromptCacheActor(gpu, stats, cache.inbox, size, cap))

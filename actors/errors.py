@@ -27,5 +27,18 @@ class EngineClosed(EngineError):
     """The engine is shutting down or closed; it takes no new requests."""
 
 
+class Overloaded(EngineError):
+    """The queue is full (``max_queued_requests``): retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, *, queued: int, retry_after: float) -> None:
+        super().__init__(message)
+        self.queued, self.retry_after = queued, retry_after
+
+
 class GenerationFailed(EngineError):
-    """A request ended in an error event (``engine.generate`` raises this)."""
+    """A request ended in an error event (``engine.generate`` raises this); ``code``
+    names the kind where there is one (``queue_timeout``)."""
+
+    def __init__(self, message: str | None, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code

@@ -41,6 +41,10 @@ class Gpu:
     _calls: int = attrs.field(default=0, init=False)
     _busy: float = attrs.field(default=0.0, init=False)
     _lane: Lane | None = attrs.field(default=None, init=False)
+    # time.monotonic() when the running call began (None: idle). Written by the GPU
+    # thread, read by the watchdog: one float assignment, atomic in CPython. (The
+    # GPU thread cannot read trio's clock, hence monotonic here.)
+    _call_started: float | None = attrs.field(default=None, init=False)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
@@ -55,7 +59,9 @@ class Gpu:
                 return
             fn, args, deliver = job
             t0 = time.perf_counter()
+            self._call_started = time.monotonic()
             result = outcome.capture(fn, *args)
+            self._call_started = None
             self._busy += time.perf_counter() - t0
             self._calls += 1
             deliver(result)
@@ -100,6 +106,13 @@ class Gpu:
     @property
     def lane(self) -> Lane | None:
         return self._lane
+
+    def busy_for(self) -> float:
+        """Seconds the call now running has taken so far (0 when idle)."""
+        import time
+
+        started = self._call_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def statistics(self) -> GpuStatistics:
         return GpuStatistics(calls=self._calls, busy_seconds=self._busy, lane=self._lane)

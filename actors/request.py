@@ -143,6 +143,14 @@ class SamplingParams:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_ids)
     seed: int | None = attrs.field(default=None)
+    # mlx-lm's signature, ``fn(tokens, logits) -> logits``, run after the built-in
+    # ones (embedding API only). One that raises ends its own row, no other.
+    logits_processors: tuple[Callable, ...] = attrs.field(default=(), converter=tuple)
+
+    @logits_processors.validator
+    def _processors(self, attribute, value) -> None:
+        if not all(callable(p) for p in value):
+            _fail("logits_processors", "logits_processors must be callables fn(tokens, logits)")
 
     @seed.validator
     def _seed(self, attribute, value) -> None:
@@ -168,7 +176,8 @@ class SamplingParams:
     @property
     def has_processors(self) -> bool:
         return bool(
-            self.logit_bias
+            self.logits_processors
+            or self.logit_bias
             or self.repetition_penalty not in (None, 1.0)
             or self.presence_penalty
             or self.frequency_penalty
@@ -206,6 +215,7 @@ class Event:
     top_logprobs: tuple[TopLogprob, ...] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: str | None = None  # a machine-readable kind of error, where there is one
     usage: Usage | None = None
 
     @property

@@ -56,6 +56,7 @@ class End:
 
     reason: FinishReason
     detail: str | None = None
+    code: str | None = None  # a machine-readable kind of error (e.g. queue_timeout)
 
 
 @attrs.frozen
@@ -69,11 +70,13 @@ class Cancel:
 
 @attrs.frozen
 class Finish:
-    """A row reached its end where its owner cannot see it (a stop string, found by
-    the emitter): ended like a finish, its KV kept. Routed like :class:`Cancel`."""
+    """A row reached its end where its owner cannot see it, in the emitter: a stop
+    string (``stop``: ended like a finish, its KV kept) or a fault in its own
+    delivery (``error``, with ``detail``). Routed like :class:`Cancel`."""
 
     row_id: int
     reason: FinishReason
+    detail: str | None = None
 
 
 @attrs.define(eq=False, repr=False)
@@ -140,4 +143,4 @@ class Row:
         """Apply a routed end request; False when the row was already ending."""
         if isinstance(message, Cancel):
             return self.ask_end(End(FinishReason.CANCELLED, message.reason))
-        return self.ask_end(End(message.reason))
+        return self.ask_end(End(message.reason, message.detail))

@@ -38,16 +38,21 @@ def build_sampling(params: SamplingParams):
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
     )
-    return sampler, processors
+    return sampler, processors + list(params.logits_processors)
 
 
 @attrs.frozen
 class Sampled:
-    """One row's token read from one step."""
+    """One row's token read from one step, or the fault that ended the row there."""
 
     token: int
     logprob: float | None
     top_logprobs: tuple[TopLogprob, ...] | None
+    error: str | None = None  # this row's own work (processors, sampler, logprobs) failed
+
+
+def row_fault(exc: BaseException) -> str:
+    return f"this request failed while generating: {type(exc).__name__}: {exc}"
 
 
 def read_logprobs(
@@ -78,6 +83,9 @@ class Slot:
     # The pending token was already read (a joiner's first token, read at prime):
     # the next step feeds it and must not hand it out again.
     pending_read: bool = False
+    # This row's own work failed while building a step (its processors, sampler):
+    # the next read ends the row with it. Its siblings are untouched.
+    fault: str | None = None
 
 
 def _first_kv(caches: Sequence[Any]) -> BatchKVCache | None:
@@ -176,7 +184,13 @@ class Batch:
     # -- the step ---------------------------------------------------------------
 
     def _forward(self) -> tuple[mx.array, list[Any]]:
-        """Build step n+1 from the pending tokens; returns them and the processor contexts."""
+        """Build step n+1 from the pending tokens; returns them and the processor contexts.
+
+        The forward pass is shared: if it fails, the batch fails. Everything after
+        it runs per row and is contained: a row whose processors or sampler raise
+        gets a stand-in token (argmax of its raw logits, never read) and a
+        ``fault``; the other rows' logits and samples are computed exactly as if
+        it were not there (rows never mix after the forward)."""
         inputs = self.next_tokens
         logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
         contexts = []
@@ -184,30 +198,42 @@ class Batch:
             rows = []
             for e, slot in enumerate(self.slots):
                 row_logits = logits[e : e + 1]
-                if slot.processors:
-                    ctx = slot.context.update_and_fetch(inputs[e : e + 1])
-                    contexts.append(ctx)
-                    for processor in slot.processors:
-                        row_logits = processor(ctx, row_logits)
+                if slot.processors and slot.fault is None:
+                    try:
+                        ctx = slot.context.update_and_fetch(inputs[e : e + 1])
+                        for processor in slot.processors:
+                            row_logits = processor(ctx, row_logits)
+                        contexts.append(ctx)
+                    except Exception as exc:
+                        slot.fault, row_logits = row_fault(exc), logits[e : e + 1]
                 rows.append(row_logits)
             logits = mx.concatenate(rows, axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        samplers = [s.sampler for s in self.slots]
-        if all(s is samplers[0] for s in samplers):
-            sampled = samplers[0](logprobs)
-        else:
-            sampled = mx.concatenate(
-                [s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0
-            )
-        self.next_tokens = sampled
+        self.next_tokens = self._sample(logprobs)
         self.next_logprobs = list(logprobs)
         mx.async_eval(self.next_tokens, self.next_logprobs, contexts)
         return inputs, contexts
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        samplers = [s.sampler for s in self.slots]
+        if all(s is samplers[0] for s in samplers):
+            return samplers[0](logprobs)  # all greedy: one argmax for the batch
+        out = []
+        for e, slot in enumerate(self.slots):
+            row = logprobs[e : e + 1]
+            try:
+                out.append(slot.sampler(row) if slot.fault is None else mx.argmax(row, axis=-1))
+            except Exception as exc:
+                slot.fault = row_fault(exc)
+                out.append(mx.argmax(row, axis=-1))
+        return mx.concatenate(out, axis=0)
 
     def read_first(self) -> Sampled:
         """Read the one pending token of a freshly primed one-row batch (the token
         stays pending: the first step feeds it and reads it again)."""
         (slot,) = self.slots
+        if slot.fault is not None:
+            raise RuntimeError(slot.fault)  # its prefill fails: it never joins
         (logprobs,) = self.next_logprobs
         mx.eval(self.next_tokens, logprobs)
         token = self.next_tokens.item()
@@ -217,20 +243,31 @@ class Batch:
 
     def step(self) -> list[Sampled | None]:
         """Start step n+1, then read step n: the tokens the last step sampled, one
-        per slot in batch order (None for a token already read at prime)."""
+        per slot in batch order (None for a token already read at prime). A row
+        whose own work failed reads as a :class:`Sampled` with ``error``."""
         current_lp = self.next_logprobs
         inputs, _ = self._forward()
         mx.eval(inputs, current_lp)
         tokens = inputs.tolist()
         out: list[Sampled | None] = []
         for slot, token, lp in zip(self.slots, tokens, current_lp, strict=True):
-            if slot.pending_read:
+            if slot.fault is not None:
+                out.append(Sampled(token, None, None, error=slot.fault))
+            elif slot.pending_read:
                 slot.pending_read = False
                 out.append(None)
-                continue
-            logprob, top = read_logprobs(lp, token, slot.params)
-            out.append(Sampled(token, logprob, top))
+            else:
+                out.append(self._read(slot, token, lp))
         return out
+
+    @staticmethod
+    def _read(slot: Slot, token: int, logprobs: mx.array) -> Sampled:
+        try:
+            logprob, top = read_logprobs(logprobs, token, slot.params)
+        except Exception as exc:
+            slot.fault = row_fault(exc)
+            return Sampled(token, None, None, error=slot.fault)
+        return Sampled(token, logprob, top)
 
 
 @attrs.define(eq=False)

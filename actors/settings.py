@@ -16,6 +16,21 @@ from .budget import parse_budget
 from .errors import InvalidRequest
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUEUE_PER_SLOT = 8  # the default queue bound: this many waiting rows per batch slot
+
+
+def _seconds(*, optional: bool = False):
+    def check(_, attribute, value) -> None:
+        if value is None and optional:
+            return
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        if not ok or value != value or value == float("inf"):
+            raise InvalidRequest(
+                f"{attribute.name} must be a positive number of seconds, got {value!r}",
+                param=attribute.name,
+            )
+
+    return check
 
 
 def _at_least(n: int, *, optional: bool = False):
@@ -70,6 +85,20 @@ class EngineSettings:
     chat_template: str | None = None  # replaces the tokenizer's
     chat_template_args: Mapping[str, Any] = attrs.field(factory=dict, converter=_template_args)
     kv_budget: int | str | None = attrs.field(default=None, converter=_budget)  # bytes | auto
+    # Rows waiting for admission beyond this are refused (Overloaded; HTTP 429 with
+    # Retry-After). None: QUEUE_PER_SLOT per batch slot.
+    max_queued_requests: int | None = attrs.field(
+        default=None, validator=_at_least(0, optional=True)
+    )
+    queue_timeout: float | None = attrs.field(default=None, validator=_seconds(optional=True))
+    # A GPU call running longer than this marks the engine unhealthy (/health 503).
+    step_timeout: float = attrs.field(default=120.0, validator=_seconds())
+
+    @property
+    def queue_limit(self) -> int:
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        return QUEUE_PER_SLOT * self.batch
 
     @property
     def template(self) -> dict[str, Any]:

@@ -81,7 +81,8 @@ class Histogram:
 
 COUNTERS = (
     "submitted", "finished", "errored", "cancelled", "rejected",
-    "steps", "prompt_tokens", "prefill_tokens", "generated_tokens", "batch_faults", "dropped_stats",
+    "steps", "prompt_tokens", "prefill_tokens", "generated_tokens", "batch_faults", "row_faults",
+    "dropped_stats", "overloaded", "queue_timeouts", "stalls",
     "prompt_cache_hits", "prompt_cache_misses", "prompt_cache_hit_tokens",
 )  # fmt: skip
 # Each gauge has one writer: admission (rows), decode (batch_*), prefill (prefill_*),
@@ -89,7 +90,7 @@ COUNTERS = (
 GAUGES = (
     "active_rows", "pending_rows", "decoding_rows",
     "batch_kv_bytes", "prefill_kv_bytes", "serial_kv_bytes", "padding_waste",
-    "prompt_cache_entries", "prompt_cache_bytes", "kv_projected_bytes",
+    "prompt_cache_entries", "prompt_cache_bytes", "kv_projected_bytes", "queue_oldest_wait",
 )  # fmt: skip
 HISTOGRAMS = ("time_to_first_token", "queue_wait", "step_time")
 
@@ -117,6 +118,11 @@ class StatsSnapshot:
     prefill_tokens: int  # prompt tokens actually computed (prompt minus cached)
     generated_tokens: int
     batch_faults: int
+    row_faults: int  # rows ended by a fault in their own work (the batch went on)
+    overloaded: int  # refused because the queue was full (not in the ledger)
+    queue_timeouts: int  # failed after waiting longer than the queue timeout
+    stalls: int  # GPU calls that ran past the step timeout
+    queue_oldest_wait: float  # seconds the oldest queued row has waited
     dropped_stats: int
     prompt_cache_entries: int
     prompt_cache_bytes: int
@@ -203,6 +209,7 @@ class Stats:
             kv_budget_bytes=self.kv_budget_bytes,
             kv_projected_bytes=int(g["kv_projected_bytes"]),
             padding_waste=float(g["padding_waste"]),
+            queue_oldest_wait=float(g["queue_oldest_wait"]),
             prompt_cache_entries=int(g["prompt_cache_entries"]),
             prompt_cache_bytes=int(g["prompt_cache_bytes"]),
             time_to_first_token=h["time_to_first_token"].snapshot(),

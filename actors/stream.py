@@ -30,11 +30,17 @@ class RequestStream:
     _receive: trio.MemoryReceiveChannel
     _ended: bool = False  # the terminal event has been read
 
-    async def __aenter__(self) -> RequestStream:
+    async def start(self) -> None:
+        """Queue the request (entering the stream does this when not done yet).
+        Raises :class:`Overloaded` when the queue is full."""
         row, self._row = self._row, None
         if row is None:
-            raise RuntimeError("a request stream can be entered once")
+            raise RuntimeError("a request stream starts once")
         await self._engine._enqueue(row)
+
+    async def __aenter__(self) -> RequestStream:
+        if self._row is not None:
+            await self.start()
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -59,7 +65,7 @@ class RequestStream:
                 tops.append(event.top_logprobs)
             if event.terminal:
                 if event.finish_reason is FinishReason.ERROR:
-                    raise GenerationFailed(event.error)
+                    raise GenerationFailed(event.error, code=event.error_code)
                 return Result(
                     tokens=tokens,
                     text="".join(text),

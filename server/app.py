@@ -8,8 +8,10 @@ model loads. Handlers never touch mlx: they validate, submit, and stream.
 from __future__ import annotations
 
 import enum
+import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +24,7 @@ from mlx_nursery.actors import (
     FinishReason,
     GenerationFailed,
     InvalidRequest,
+    Overloaded,
     open_engine,
 )
 from quart import Response, request
@@ -57,8 +60,17 @@ class Settings:
     port: int = 8080
     defaults: Defaults = attrs.field(factory=Defaults)
     allowed_origins: tuple[str, ...] = ("*",)
-    max_request_bytes: int = 16 * 1024 * 1024
+    max_request_bytes: int = 16 * 1024 * 1024  # a larger body is a 413
     drain_seconds: float = 30.0  # in-flight requests get this long at shutdown
+    # Access: with a key, every /v1 route needs `Authorization: Bearer KEY` (or
+    # `x-api-key: KEY`); /stats and /metrics too when protect_stats is set.
+    api_key: str | None = attrs.field(default=None, repr=False)
+    protect_stats: bool = False
+    # Connection limits (Hypercorn's, and the body read), so a slow or half-sent
+    # request cannot hold the server.
+    keep_alive_timeout: float = 75.0  # an idle keep-alive connection is closed after this
+    max_header_bytes: int = 16 * 1024  # request line and headers beyond this are refused
+    body_timeout: float = 30.0  # seconds for the whole request body to arrive (else 408)
 
 
 class ServerPhase(enum.StrEnum):
@@ -132,15 +144,24 @@ class ServerState:
 
 
 def _error(err: ApiError) -> Response:
-    return Response(json.dumps(err.body()), status=err.status, content_type="application/json")
+    response = Response(json.dumps(err.body()), status=err.status, content_type="application/json")
+    if err.retry_after is not None:
+        response.headers["Retry-After"] = str(err.retry_after)
+    return response
 
 
 def _json(body: Any, status: int = 200) -> Response:
     return Response(json.dumps(body), status=status, content_type="application/json")
 
 
-async def _body_json() -> Any:
-    raw = await request.get_data()
+async def _body_json(seconds: float) -> Any:
+    """The request body as JSON; a body that does not arrive within ``seconds`` is
+    a 408 (a slow or half-sent request cannot hold the server)."""
+    with trio.move_on_after(seconds) as scope:
+        raw = await request.get_data()
+    if scope.cancelled_caught:
+        raise ApiError(408, f"the request body did not arrive within {seconds:g} s",
+                       code="request_timeout")  # fmt: skip
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -174,6 +195,9 @@ class Routes:
 
     async def health(self) -> Response:
         if self.state.phase is ServerPhase.SERVING:
+            problem = self.state.engine.health()
+            if problem is not None:
+                return _json({"status": "unhealthy", "error": problem}, status=503)
             return _json({"status": "ok"})
         return _json({"status": self.state.phase.value, "error": self.state.error}, status=503)
 
@@ -199,12 +223,18 @@ class Routes:
 
     async def _complete(self, parser: Callable[..., Parsed]) -> Response:
         engine = self.state.engine_or_503()
-        parsed = parser(await _body_json(), self.settings.defaults)
+        parsed = parser(await _body_json(self.settings.body_timeout), self.settings.defaults)
         self._check_model(parsed)
         try:
             stream = engine.submit(parsed.prompt, **parsed.params)
+            await stream.start()  # queued now: a full queue answers 429 before any byte
         except InvalidRequest as exc:
             raise bad(str(exc), parsed.field(exc.param)) from None
+        except Overloaded as exc:
+            raise ApiError(
+                429, str(exc), type="rate_limit_error", code="queue_full",
+                retry_after=math.ceil(exc.retry_after),
+            ) from None  # fmt: skip
         if parsed.stream:
             shaper = ChunkShaper(parsed, self.state.model_id, engine.tokenizer)
             response = Response(
@@ -218,11 +248,34 @@ class Routes:
             async with stream:
                 result = await stream.result()
         except GenerationFailed as exc:
-            raise ApiError(500, str(exc), type="server_error") from None
+            if exc.code == "queue_timeout":
+                raise ApiError(503, str(exc), type="service_unavailable", code=exc.code) from None
+            raise ApiError(500, str(exc), type="server_error", code=exc.code) from None
         if result.finish_reason is FinishReason.CANCELLED:
             message = "the request was cancelled: the server is shutting down"
             raise ApiError(503, message, type="service_unavailable")
         return _json(full_response(parsed, self.state.model_id, result, engine.tokenizer))
+
+    def authorize(self) -> None:
+        """With an API key set, /v1 (and, when protected, /stats and /metrics) need
+        it as a bearer token or ``x-api-key``; compared in constant time."""
+        key = self.settings.api_key
+        path = request.path
+        guarded = path.startswith("/v1/") or (
+            self.settings.protect_stats and path in ("/stats", "/metrics")
+        )
+        if key is None or not guarded or request.method == "OPTIONS":
+            return
+        auth = request.headers.get("Authorization", "")
+        given = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
+        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer KEY' "
+                "(or 'x-api-key: KEY')",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
 
     def cors(self, response: Response) -> Response:
         origin = request.headers.get("Origin")
@@ -258,6 +311,7 @@ def create_app(settings: Settings) -> QuartTrio:
     async def stop_engine() -> None:
         await state.stop()
 
+    app.before_request(_async(routes.authorize))
     app.after_request(_async(routes.cors))
     app.register_error_handler(ApiError, _async(_error))
     app.register_error_handler(HTTPException, _async(routes.http_error))
@@ -273,10 +327,10 @@ def create_app(settings: Settings) -> QuartTrio:
     return app
 
 
-def _async(fn: Callable[..., Response]) -> Callable:
+def _async(fn: Callable[..., Any]) -> Callable:
     """Quart awaits its hooks: wrap a plain function as a coroutine function."""
 
-    async def hook(*args: Any) -> Response:
+    async def hook(*args: Any) -> Any:
         return fn(*args)
 
     hook.__name__ = fn.__name__
@@ -292,7 +346,7 @@ def _frames(event, shaper: ChunkShaper, parsed: Parsed) -> tuple[bytes, bool]:
     if event.terminal and not event.finish_reason.finished:
         message = event.error or "the request was cancelled"
         kind = "server_error" if event.finish_reason is FinishReason.ERROR else "cancelled"
-        return _sse_data(ApiError(500, message, type=kind).body()), True
+        return _sse_data(ApiError(500, message, type=kind, code=event.error_code).body()), True
     out = b""
     chunk = shaper.chunk(event)
     if chunk is not None:

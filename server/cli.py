@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 import attrs
@@ -17,6 +18,8 @@ from . import bench, models
 from .app import Settings
 from .protocol import Defaults
 from .serve import maybe_reexec_with_openblas, serve
+
+API_KEY_ENV = "MLX_NURSERY_API_KEY"
 
 
 def _bytes(value: str) -> int:
@@ -116,6 +119,55 @@ def build_parser() -> argparse.ArgumentParser:
         "device, where it is the fast dtype (default: auto)",
     )
     s.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="requests waiting for a slot beyond this get HTTP 429 with Retry-After "
+        "(default: 8 per batch slot)",
+    )
+    s.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may wait in the queue before it fails with 503 (default: none)",
+    )
+    s.add_argument(
+        "--step-timeout",
+        type=float,
+        default=120.0,
+        help="a GPU call running longer than this turns /health to 503 until it completes "
+        "(default: 120)",
+    )
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require this key on every /v1 route (Authorization: Bearer, or x-api-key); "
+        f"default: ${API_KEY_ENV} if set, else no key",
+    )
+    s.add_argument(
+        "--protect-stats",
+        action="store_true",
+        help="require the API key on /stats and /metrics too",
+    )
+    s.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=75.0,
+        help="seconds an idle keep-alive connection is kept (default: 75)",
+    )
+    s.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=16 * 1024,
+        help="most bytes of request line and headers (default: 16384)",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds for a request body to arrive, else 408 (default: 30)",
+    )
+    s.add_argument(
         "--allowed-origins", default="*", help="comma-separated CORS origins, or * (default: *)"
     )
     s.add_argument("--log-level", default="INFO",
@@ -160,6 +212,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         chat_template=args.chat_template,
         chat_template_args=args.chat_template_args,
         kv_budget=args.kv_budget,
+        max_queued_requests=args.max_queued_requests,
+        queue_timeout=args.queue_timeout,
+        step_timeout=args.step_timeout,
     )
     return Settings(
         model=args.model or models.default_model(),
@@ -168,6 +223,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
         port=args.port,
         defaults=defaults,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        api_key=args.api_key or None,
+        protect_stats=args.protect_stats,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_header_bytes=args.max_header_bytes,
+        body_timeout=args.body_timeout,
     )
 
 

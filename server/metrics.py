@@ -20,6 +20,10 @@ _COUNTERS = {
     "prefill_tokens": ("prefill_tokens_total", "Prompt tokens actually computed."),
     "generated_tokens": ("generated_tokens_total", "Tokens delivered to clients."),
     "batch_faults": ("batch_faults_total", "Batch steps that failed (every row errored)."),
+    "row_faults": ("row_faults_total", "Rows ended by a fault in their own work (batch went on)."),
+    "overloaded": ("requests_overloaded_total", "Requests refused with 429: the queue was full."),
+    "queue_timeouts": ("queue_timeouts_total", "Requests that waited past the queue timeout."),
+    "stalls": ("gpu_stalls_total", "GPU calls that ran past the step timeout."),
     "prompt_cache_hits": ("prompt_cache_hits_total", "Prompt-cache takes that found a prefix."),
     "prompt_cache_misses": ("prompt_cache_misses_total", "Prompt-cache takes that found none."),
     "prompt_cache_hit_tokens": ("prompt_cache_hit_tokens_total", "Prompt tokens served cached."),
@@ -35,6 +39,10 @@ _GAUGES = {
     "kv_budget_bytes": ("kv_budget_bytes", "The KV budget (-1: none)."),
     "prompt_cache_entries": ("prompt_cache_entries", "Prompt-cache entries."),
     "prompt_cache_bytes": ("prompt_cache_bytes", "Prompt-cache bytes."),
+    "queue_oldest_wait": (
+        "queue_oldest_wait_seconds",
+        "How long the oldest queued request has waited.",
+    ),
 }
 _HISTOGRAMS = {
     "time_to_first_token": ("time_to_first_token_seconds", "Submit to first token."),

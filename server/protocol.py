@@ -26,6 +26,7 @@ class ApiError(Exception):
     param: str | None = None
     type: str = "invalid_request_error"
     code: str | None = None
+    retry_after: int | None = None  # seconds, sent as the Retry-After header
 
     def body(self) -> dict:
         return {
@@ -82,6 +83,43 @@ _SAMPLING = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias",
 )  # fmt: skip
+
+
+# Fields that only label a request: accepted and ignored.
+_LABELS = ("user", "metadata", "store", "service_tier")
+_COMMON = (
+    *_SAMPLING, *_LABELS, "model", "max_completion_tokens", "n", "stream", "stream_options",
+    "response_format", "tools", "tool_choice", "functions", "function_call",
+    "parallel_tool_calls",
+)  # fmt: skip
+_FIELDS = {
+    "chat": frozenset((*_COMMON, "messages", "logprobs", "top_logprobs")),
+    "completion": frozenset((*_COMMON, "prompt", "logprobs", "echo", "suffix", "best_of")),
+}
+
+
+def _check_fields(body: Mapping[str, Any], route: str) -> None:
+    """A field that changes what the answer means is honoured or refused naming it,
+    never silently dropped; an unknown field is refused the same way."""
+    for name in body:
+        if name not in _FIELDS[route]:
+            raise bad(f"unknown field {name!r}: this route does not take it", name)
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise bad(f"'{name}' is not supported by this server yet (no tool calling)", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise bad(f"'{name}' needs tools, which this server does not support yet", name)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("'response_format' other than {'type': 'text'} is not supported yet",
+                  "response_format")  # fmt: skip
+    if body.get("echo"):
+        raise bad("'echo' is not supported: the prompt is not repeated back", "echo")
+    if body.get("suffix") not in (None, ""):
+        raise bad("'suffix' (insertion) is not supported", "suffix")
+    if body.get("best_of") not in (None, 1):
+        raise bad("'best_of' must be 1: this server returns one candidate", "best_of")
 
 
 def _bool(body, name) -> bool | None:
@@ -144,6 +182,7 @@ def _content(content, i: int) -> str:
 
 def parse_chat(body: Mapping[str, Any], defaults: Defaults) -> Parsed:
     params, fields = _common(body, defaults)
+    _check_fields(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list of messages", "messages")
@@ -163,6 +202,7 @@ def parse_chat(body: Mapping[str, Any], defaults: Defaults) -> Parsed:
 
 def parse_completion(body: Mapping[str, Any], defaults: Defaults) -> Parsed:
     params, fields = _common(body, defaults)
+    _check_fields(body, "completion")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one

@@ -71,7 +71,12 @@ def hypercorn_config(settings: Settings) -> Config:
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 5.0  # after our own drain, streams end within a step or two
-    config.keep_alive_timeout = 75.0
+    config.keep_alive_timeout = settings.keep_alive_timeout
+    config.h11_max_incomplete_size = settings.max_header_bytes
+    config.h2_max_header_list_size = settings.max_header_bytes
+    # read_timeout stays unset: Hypercorn applies it to every read, and a client
+    # streaming a long answer sends nothing for minutes. The body read has its own
+    # deadline (Settings.body_timeout).
     return config
 
 
