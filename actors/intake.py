@@ -40,6 +40,7 @@ class Intake:
         Raises :class:`InvalidRequest` for anything the engine cannot run."""
         ids, boundary = self.encode(prompt)
         sampling = SamplingParams.build({"max_tokens": self.settings.max_tokens, **params})
+        self._check_token_ids(sampling)
         self._check_context(ids, sampling)
         kv = self.project(len(ids) + sampling.max_tokens)
         self._check_budget(ids, sampling, kv)
@@ -122,6 +123,22 @@ class Intake:
             ) from None
 
     # -- limits ---------------------------------------------------------------------
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in the parameters must exist in this model's vocabulary."""
+        vocab = self.info.vocab_size
+        if vocab is None:
+            return
+        for param, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequest(
+                    f"{param}: token id {bad[0]} is out of range for a vocabulary of {vocab}",
+                    param=param,
+                )
 
     def _check_context(self, ids: list[int], params: SamplingParams) -> None:
         limit = self.info.context_length

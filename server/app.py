@@ -54,7 +54,7 @@ ALIASES = ("default_model", "default")
 class Settings:
     """The server's settings: the engine's, whole, plus the HTTP front's own."""
 
-    model: str
+    model: Any  # a directory, hub id or GGUF file; or a (model, tokenizer) pair
     engine: EngineSettings = attrs.field(factory=lambda: EngineSettings(dtype="auto"))
     host: str = "127.0.0.1"
     port: int = 8080
@@ -166,6 +166,8 @@ async def _body_json(seconds: float) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad("the request body nests too deeply") from None
 
 
 @attrs.frozen

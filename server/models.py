@@ -120,10 +120,13 @@ def resolve(ref: str | Path) -> Path | str:
 _QUANT_TAG = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 
 
-def short_id(ref: str | Path) -> str:
+def short_id(ref: object) -> str:
     """The model's public name: the file or directory stem, lowercased for files,
     a trailing quantization tag dropped (``SmolLM2-135M-Instruct.Q4_1.gguf`` is
-    ``smollm2-135m-instruct``); the bundled toy model is ``toy``."""
+    ``smollm2-135m-instruct``); the bundled toy model is ``toy``; a model object
+    handed in by an embedding app is ``model``."""
+    if not isinstance(ref, str | Path):
+        return "model"
     text = str(ref).rstrip("/")
     path = Path(text)
     if path == toy_model():

@@ -35,6 +35,7 @@ def family(request) -> str:
 # below then checks that nothing was lost or leaked.
 
 import threading  # noqa: E402
+import time  # noqa: E402
 from contextlib import asynccontextmanager  # noqa: E402
 from functools import cache  # noqa: E402
 
@@ -82,3 +83,123 @@ def nothing_lost_nothing_leaked():
             f"{snap.errored} + cancelled {snap.cancelled}"
         )
     assert not _gpu_threads(), "an engine's GPU thread outlived its engine"
+
+
+class FaultyModel:
+    """Fault injection for tests (nothing else uses it, and HTTP cannot reach it):
+    a hand-written fake at the model boundary, the real model plus armed faults.
+
+    ``fail_decode`` raises in the next batched decode forward (B >= 2, one token
+    each); ``fail_prefill`` in the next prompt chunk (more than one token);
+    ``stall_seconds`` makes the next forward hold the GPU thread that long."""
+
+    def __init__(self, model):
+        self._model = model
+        self.fail_decode = False
+        self.fail_prefill = False
+        self.stall_seconds = 0.0
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        if self.stall_seconds:
+            stall, self.stall_seconds = self.stall_seconds, 0.0
+            time.sleep(stall)
+        if self.fail_decode and inputs.shape[0] >= 2 and inputs.shape[1] == 1:
+            self.fail_decode = False
+            raise RuntimeError("injected decode fault")
+        if self.fail_prefill and inputs.shape[1] > 1:
+            self.fail_prefill = False
+            raise RuntimeError("injected prefill fault")
+        return self._model(inputs, cache=cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+# -- HTTP tests -----------------------------------------------------------------
+#
+# Loopback only, port 0, an absolute fail_after on every I/O test.
+
+from functools import partial  # noqa: E402
+
+import attrs  # noqa: E402
+import httpx  # noqa: E402
+
+SERVER_TIMEOUT = 60
+
+
+@asynccontextmanager
+async def running_server(model=None, **overrides):
+    """A real server on an ephemeral loopback port, over the golden llama (or
+    ``model``: a path or a (model, tokenizer) pair); ``overrides`` are server or
+    engine settings by name. Yields (url, state); checks the ledger afterwards."""
+    from mlx_nursery.actors import EngineSettings
+    from mlx_nursery.server.app import Settings
+    from mlx_nursery.server.serve import serve
+
+    engine_fields = attrs.fields_dict(EngineSettings)
+    engine = {k: v for k, v in overrides.items() if k in engine_fields}
+    server = {k: v for k, v in overrides.items() if k not in engine_fields}
+    engine = EngineSettings(**{"dtype": "auto", "prefill_step_size": 32, **engine})
+    model = str(model_path("llama")) if model is None else model
+    settings = Settings(model=model, port=0, engine=engine, **server)
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        urls, state = await nursery.start(partial(serve, settings, shutdown=shutdown))
+        with trio.fail_after(SERVER_TIMEOUT):
+            while state.phase == "starting":  # noqa: ASYNC110 (the model loads meanwhile)
+                await trio.sleep(0.01)
+        assert state.phase == "serving", state.error
+        try:
+            yield urls[0], state
+            with trio.fail_after(SERVER_TIMEOUT):
+                await state.engine.wait_idle()
+            _SETTLED.append(state.engine.stats())
+        finally:
+            shutdown.set()
+
+
+async def sse_events(response: httpx.Response) -> list:
+    """Parse an SSE body strictly: `data: ...` lines, each followed by a blank line."""
+    body = (await response.aread()).decode()
+    assert body.endswith("data: [DONE]\n\n"), body[-200:]
+    frames = body.split("\n\n")[:-1]
+    out = []
+    for frame in frames:
+        assert frame.startswith("data: ") and "\n" not in frame, frame
+        payload = frame[len("data: ") :]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+@asynccontextmanager
+async def server_process(*args: str):
+    """`mlx-nursery serve` in a process of its own on a free loopback port (its
+    event loop then carries no test-side load); yields its URL. SIGTERM at the end."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--port", str(port)]
+    env = {**__import__("os").environ, "MLX_NURSERY_OPENBLAS": "0"}
+    proc = subprocess.Popen([*argv, *args], env=env, stderr=subprocess.PIPE)  # noqa: ASYNC220
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+            with trio.fail_after(SERVER_TIMEOUT):
+                while True:
+                    try:
+                        if (await client.get("/health")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+                    await trio.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(proc.wait, 30)
+        proc.stderr.close()

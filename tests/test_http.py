@@ -12,61 +12,19 @@ import os
 import signal
 import subprocess
 import sys
-from contextlib import asynccontextmanager
-from functools import partial
 
-import attrs
 import httpx
 import openai
 import pytest
 import trio
-from conftest import _SETTLED, golden, model_path
+from conftest import golden, model_path, running_server, sse_events
 from make_goldens import CHAT
-from mlx_nursery.actors import EngineSettings
-from mlx_nursery.server.app import Settings
-from mlx_nursery.server.serve import serve
 from prometheus_client.parser import text_string_to_metric_families
 
 FAMILY = "llama"
 CASES = {c["prompt"]: c for c in golden(FAMILY)["serial"]}
 NO_EOS = {"258": -100}  # keeps a random toy model talking for as long as a test needs
 TIMEOUT = 60
-
-
-@asynccontextmanager
-async def running_server(**overrides):
-    engine_fields = attrs.fields_dict(EngineSettings)
-    engine = {k: v for k, v in overrides.items() if k in engine_fields}
-    server = {k: v for k, v in overrides.items() if k not in engine_fields}
-    engine = EngineSettings(**{"dtype": "auto", "prefill_step_size": 32, **engine})
-    settings = Settings(model=str(model_path(FAMILY)), port=0, engine=engine, **server)
-    shutdown = trio.Event()
-    async with trio.open_nursery() as nursery:
-        urls, state = await nursery.start(partial(serve, settings, shutdown=shutdown))
-        with trio.fail_after(TIMEOUT):
-            while state.phase == "starting":  # noqa: ASYNC110 (the model loads meanwhile)
-                await trio.sleep(0.01)
-        assert state.phase == "serving", state.error
-        try:
-            yield urls[0], state
-            with trio.fail_after(TIMEOUT):
-                await state.engine.wait_idle()
-            _SETTLED.append(state.engine.stats())
-        finally:
-            shutdown.set()
-
-
-async def sse_events(response: httpx.Response) -> list:
-    """Parse an SSE body strictly: `data: ...` lines, each followed by a blank line."""
-    body = (await response.aread()).decode()
-    assert body.endswith("data: [DONE]\n\n"), body[-200:]
-    frames = body.split("\n\n")[:-1]
-    out = []
-    for frame in frames:
-        assert frame.startswith("data: ") and "\n" not in frame, frame
-        payload = frame[len("data: ") :]
-        out.append(payload if payload == "[DONE]" else json.loads(payload))
-    return out
 
 
 async def stats(client: httpx.AsyncClient) -> dict:

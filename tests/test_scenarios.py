@@ -11,7 +11,7 @@ import threading
 import pytest
 import trio
 import trio.testing
-from conftest import checked_engine, golden, loaded
+from conftest import FaultyModel, checked_engine, golden, loaded
 from mlx_nursery.actors import GenerationFailed, open_engine
 
 FAMILY = "llama"
@@ -131,30 +131,6 @@ async def test_a_raising_consumer_loses_only_its_own_row():
                         raise ValueError("consumer broke")
     assert sibling["r"].tokens == cases["chat"]["tokens"]
     assert engine.stats().cancelled == 1
-
-
-class FaultyModel:
-    """A hand-written fake at the model boundary: the real model, plus an armed fault.
-
-    ``fail_decode`` raises in the next batched decode forward (B >= 2, one token
-    each); ``fail_prefill`` in the next prompt chunk (more than one token)."""
-
-    def __init__(self, model):
-        self._model = model
-        self.fail_decode = False
-        self.fail_prefill = False
-
-    def __call__(self, inputs, cache=None, **kwargs):
-        if self.fail_decode and inputs.shape[0] >= 2 and inputs.shape[1] == 1:
-            self.fail_decode = False
-            raise RuntimeError("injected decode fault")
-        if self.fail_prefill and inputs.shape[1] > 1:
-            self.fail_prefill = False
-            raise RuntimeError("injected prefill fault")
-        return self._model(inputs, cache=cache, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
 
 
 async def test_a_forward_fault_fails_the_batch_and_the_next_request_is_served():
