@@ -156,6 +156,8 @@ class SamplingParams:
     def _seed(self, attribute, value) -> None:
         if value is not None and not _is_int(value):
             _fail("seed", f"seed must be an integer, got {type(value).__name__}")
+        if value is not None and not 0 <= value < 2**64:
+            _fail("seed", f"seed must be between 0 and 2**64 - 1, got {value}")
 
     @classmethod
     def build(cls, params: Mapping[str, Any]) -> SamplingParams:
