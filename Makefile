@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint install goldens clean openblas bench
+.PHONY: serve test lint install goldens clean openblas bench soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ bench: install openblas
 	$(BIN)/python goldens/make_bench_model.py --if-missing --out $(BENCH_MODEL)
 	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL)
 	$(BIN)/python -m mlx_nursery.server.benchsuite --real
+
+# Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
+# prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.
+soak: install
+	env -u LD_PRELOAD $(BIN)/python tests/reliability/soak.py $(ARGS)
 
 # Rebuild the tiny models and re-record the mlx-lm goldens (mlx-lm only).
 goldens: install

@@ -174,7 +174,7 @@ async def sse_events(response: httpx.Response) -> list:
 @asynccontextmanager
 async def server_process(*args: str):
     """`mlx-nursery serve` in a process of its own on a free loopback port (its
-    event loop then carries no test-side load); yields its URL. SIGTERM at the end."""
+    event loop then carries no test-side load); yields (url, pid). SIGTERM at the end."""
     import socket
     import subprocess
     import sys
@@ -197,7 +197,7 @@ async def server_process(*args: str):
                         pass
                     assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
                     await trio.sleep(0.05)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         with trio.CancelScope(shield=True):

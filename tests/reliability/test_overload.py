@@ -47,7 +47,7 @@ async def test_sixty_four_clients_against_a_queue_of_eight_get_only_429s_and_ans
     with trio.fail_after(180):
         model = str(model_path(FAMILY))
         flags = ("--model", model, "--batch", "8", "--max-queued-requests", "8")
-        async with server_process(*flags) as url:
+        async with server_process(*flags) as (url, _):
             limits = httpx.Limits(max_connections=80)
             async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
 
