@@ -125,7 +125,7 @@ CONFIGS: dict[str, dict] = {
 }
 
 
-def _bytes_to_unicode() -> list[str]:
+def bytes_to_unicode() -> list[str]:
     """GPT-2's printable stand-in for each byte value, indexed by byte."""
     printable = list(range(ord("!"), ord("~") + 1))
     printable += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -140,7 +140,7 @@ def _bytes_to_unicode() -> list[str]:
 
 
 def tokenizer_json() -> dict:
-    vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode())}
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode())}
     added = [
         {
             "id": 256 + i,

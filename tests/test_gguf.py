@@ -13,6 +13,7 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
+from make_models import bytes_to_unicode
 from mlx_lm.models import llama
 from mlx_nursery.actors.loading import load_model
 from mlx_nursery.server.gguf import GGUFError, converted
@@ -27,22 +28,9 @@ TEMPLATE = (
 )
 
 
-def byte_tokens() -> list[str]:
-    """GPT-2's byte-to-unicode alphabet: byte-level BPE's 256 base tokens."""
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + n)
-            n += 1
-    return [chars[b] for b in range(256)]
-
-
 MERGES = ["h e", "l l", "he ll", "o Ġ", "w o"]
 SPECIAL = ["<|im_start|>", "<|im_end|>"]
-TOKENS = [*byte_tokens(), "he", "ll", "hell", "oĠ", "wo", *SPECIAL]
+TOKENS = [*bytes_to_unicode(), "he", "ll", "hell", "oĠ", "wo", *SPECIAL]
 VOCAB = len(TOKENS)
 
 

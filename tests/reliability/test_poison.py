@@ -169,3 +169,38 @@ async def test_over_http_a_row_whose_text_fails_gets_an_error_event_and_the_othe
     for i, events in bodies.items():
         text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
         assert text == expected[i], f"row {i}"
+
+
+async def test_over_http_a_forward_fault_ends_all_eight_streams_within_a_second():
+    model, tokenizer = loaded(FAMILY)
+    faulty = FaultyModel(model)
+    ended, bodies = {}, {}  # the first eight: when each stream ended, and its events
+    with trio.fail_after(120):
+        async with running_server(model=(faulty, tokenizer)) as (url, state):
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+
+                async def run(i, case, store, times=None):
+                    body = {"prompt": case["prompt_ids"], "max_tokens": MAX_TOKENS, "stream": True}
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        store[i] = await sse_events(r)
+                        if times is not None:
+                            times[i] = trio.current_time()
+
+                async with trio.open_nursery() as nursery:
+                    for i, case in enumerate(prompts8()):
+                        nursery.start_soon(run, i, case, bodies, ended)
+                    engine = state.engine
+                    while engine.stats().decoding_rows < 8:
+                        await engine.wait_step(engine.steps + 1)
+                    faulty.fail_decode = True
+                    armed = trio.current_time()
+                after = {}
+                async with trio.open_nursery() as nursery:
+                    for i, case in enumerate(prompts8()):
+                        nursery.start_soon(run, i, case, after)
+    for events in bodies.values():
+        assert events[-1] == "[DONE]" and "injected decode fault" in events[-2]["error"]["message"]
+    assert len(ended) == 8 and max(ended.values()) - armed < 1.0
+    for i, events in after.items():
+        text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+        assert text == prompts8()[i]["text"], f"row {i}"
