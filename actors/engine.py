@@ -26,6 +26,7 @@ import trio
 from . import admission, decode, emitter, prefill, prompt_cache, serial
 from .admission import Admission, Enqueue, Refused, Shutdown
 from .budget import auto_budget
+from .constrain import ll_tokenizer
 from .decode import Decode
 from .emitter import Emitter
 from .errors import EngineClosed, InvalidRequest, Overloaded
@@ -202,7 +203,8 @@ async def open_engine(
             kv_budget_bytes=budget,
         )
         actors, to_admission = _wire(loaded, tokenizer, settings, budget, gpu, stats)
-        intake = Intake(tokenizer, info, settings, budget)
+        ll_tok = await gpu.call(ll_tokenizer, tokenizer, info.vocab_size)
+        intake = Intake(tokenizer, info, settings, budget, ll_tok)
         engine = Engine(loaded, tokenizer, info, settings, intake, stats, to_admission, gpu)
         async with _running(actors) as actors_scope:
             try:

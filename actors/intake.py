@@ -15,6 +15,7 @@ import attrs
 import trio
 
 from .budget import project
+from .constrain import GrammarMask, compile_schema, schema_of
 from .errors import ContextOverflow, InvalidRequest
 from .loading import ModelInfo
 from .request import Lane, SamplingParams
@@ -30,6 +31,7 @@ class Intake:
     info: ModelInfo
     settings: EngineSettings
     budget: int | None  # resolved KV budget in bytes (None: no budget)
+    ll_tokenizer: Any = None  # llguidance's view of the tokenizer (None: no constraints)
     _ids: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
 
     def row(
@@ -40,6 +42,7 @@ class Intake:
         Raises :class:`InvalidRequest` for anything the engine cannot run."""
         ids, boundary = self.encode(prompt)
         sampling = SamplingParams.build({"max_tokens": self.settings.max_tokens, **params})
+        sampling = self._constrain(sampling)
         self._check_token_ids(sampling)
         self._check_context(ids, sampling)
         kv = self.project(len(ids) + sampling.max_tokens)
@@ -67,6 +70,24 @@ class Intake:
     def project(self, tokens: int) -> int:
         """Worst-case KV bytes of one row holding ``tokens`` tokens."""
         return project(self.info.kv_costs, tokens, self.settings.prefill_step_size)
+
+    def _constrain(self, params: SamplingParams) -> SamplingParams:
+        """A response format becomes a grammar mask of the row's own (one matcher
+        per request), after the caller's processors."""
+        if params.response_format is None:
+            return params
+        schema = schema_of(params.response_format)
+        if schema is None:
+            return params
+        if self.ll_tokenizer is None or self.info.vocab_size is None:
+            raise InvalidRequest(
+                "response_format needs constrained decoding, which this model's tokenizer "
+                "does not support",
+                param="response_format",
+            )
+        grammar = compile_schema(self.ll_tokenizer, schema)
+        mask = GrammarMask(self.ll_tokenizer, grammar, self.info.vocab_size)
+        return attrs.evolve(params, logits_processors=(*params.logits_processors, mask))
 
     # -- the prompt ---------------------------------------------------------------
 

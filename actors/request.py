@@ -146,6 +146,10 @@ class SamplingParams:
     # mlx-lm's signature, ``fn(tokens, logits) -> logits``, run after the built-in
     # ones (embedding API only). One that raises ends its own row, no other.
     logits_processors: tuple[Callable, ...] = attrs.field(default=(), converter=tuple)
+    # OpenAI's shape: {"type": "text" | "json_object" | "json_schema", "json_schema":
+    # {"schema": {...}}}. The engine's intake turns it into a grammar mask (a
+    # processor of the row's own); checked there, against the model's tokenizer.
+    response_format: Mapping[str, Any] | None = None
 
     @logits_processors.validator
     def _processors(self, attribute, value) -> None:
@@ -179,6 +183,7 @@ class SamplingParams:
     def has_processors(self) -> bool:
         return bool(
             self.logits_processors
+            or self.response_format
             or self.logit_bias
             or self.repetition_penalty not in (None, 1.0)
             or self.presence_penalty

@@ -56,10 +56,20 @@ def summary(values: list[float]) -> dict:
 # -- 1 and 2: in-process ----------------------------------------------------------
 
 
+def single_prompt(tokenizer) -> list[int]:
+    """The one-request prompt: chat-templated where the model has a template (an
+    instruct model answers a bare instruction with its end token)."""
+    if getattr(tokenizer, "chat_template", None):
+        chat = [{"role": "user", "content": PROMPT}]
+        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True))
+    return list(tokenizer.encode(PROMPT))
+
+
 def mlx_single(model, tokenizer) -> float:
     from mlx_lm import stream_generate
 
-    responses = list(stream_generate(model, tokenizer, PROMPT, max_tokens=SINGLE_TOKENS))
+    prompt = single_prompt(tokenizer)
+    responses = list(stream_generate(model, tokenizer, prompt, max_tokens=SINGLE_TOKENS))
     return responses[-1].generation_tps
 
 
@@ -68,7 +78,7 @@ def engine_single(model, tokenizer) -> float:
 
     async def go():
         async with open_engine((model, tokenizer), batch=8) as engine:
-            r = await engine.generate(PROMPT, max_tokens=SINGLE_TOKENS)
+            r = await engine.generate(single_prompt(tokenizer), max_tokens=SINGLE_TOKENS)
             return r.usage.decode_tokens_per_second
 
     return trio.run(go)

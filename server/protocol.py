@@ -81,7 +81,7 @@ class Parsed:
 # ranges are the engine's to check (one place: SamplingParams).
 _SAMPLING = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias",
+    "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias", "response_format",
 )  # fmt: skip
 
 
@@ -89,7 +89,7 @@ _SAMPLING = (
 _LABELS = ("user", "metadata", "store", "service_tier")
 _COMMON = (
     *_SAMPLING, *_LABELS, "model", "max_completion_tokens", "n", "stream", "stream_options",
-    "response_format", "tools", "tool_choice", "functions", "function_call",
+    "tools", "tool_choice", "functions", "function_call",
     "parallel_tool_calls",
 )  # fmt: skip
 _FIELDS = {
@@ -110,10 +110,6 @@ def _check_fields(body: Mapping[str, Any], route: str) -> None:
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none", "auto"):
             raise bad(f"'{name}' needs tools, which this server does not support yet", name)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("'response_format' other than {'type': 'text'} is not supported yet",
-                  "response_format")  # fmt: skip
     if body.get("echo"):
         raise bad("'echo' is not supported: the prompt is not repeated back", "echo")
     if body.get("suffix") not in (None, ""):

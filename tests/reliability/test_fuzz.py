@@ -37,7 +37,7 @@ WRONG = {
     "stream_options": ["x", 5, {"include_usage": "yes"}],
     "tools": [[{"type": "function", "function": {"name": "f"}}]],
     "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}],
-    "response_format": [{"type": "json_object"}, "json"],
+    "response_format": ["json", {"type": "yaml"}, {"type": "json_schema"}, [1]],
 }
 WRONG_CHAT = {
     "messages": ["hi", [], [5], [{"role": 5, "content": "x"}], [{"content": "x"}],
@@ -129,7 +129,8 @@ async def test_two_thousand_malformed_bodies_are_each_refused_and_the_server_sta
         ({"n": 1}, 200, None),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ({"tool_choice": "required"}, 400, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"response_format": {"type": "json_object"}}, 200, None),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, 400, "response_format"),
         ({"user": "agent-7", "metadata": {"run": "a"}}, 200, None),
     ],
 )
@@ -148,6 +149,8 @@ async def test_boundaries_are_honoured_or_refused_by_name(body, status, param):
         assert r.json()["usage"]["completion_tokens"] == 1
     if "stop" in body:
         assert " " not in choice["message"]["content"]
+    if "response_format" in body and choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
 
 
 async def test_the_context_is_usable_to_its_last_token_and_not_one_more():

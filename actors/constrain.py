@@ -1,0 +1,109 @@
+"""Constrained decoding: a JSON schema as one more per-row logits processor.
+
+The grammar is llguidance's (its JSON-schema compiler and token-mask computation,
+through its numpy path: its MLX helper needs Metal). A :class:`GrammarMask` is a
+plain mlx-lm logits processor, ``fn(tokens, logits) -> logits``, so rows with
+and without constraints share a batch step; it is made per request at intake
+(one matcher each) and runs on the GPU thread inside the row's contained work:
+a grammar error ends that row alone.
+
+Each call consumes the tokens generated since the last call, fills the token
+bitmask for the next position, and sends every disallowed token to -inf. Once
+the grammar is complete only EOS is allowed, so a constrained answer always ends
+well-formed when it ends by itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidRequest
+
+
+def ll_tokenizer(tokenizer: Any, vocab_size: int | None) -> Any | None:
+    """llguidance's view of the model's tokenizer (about a second for a large
+    vocabulary: built once, at load), or None where it cannot be made."""
+    try:
+        from llguidance.hf import from_tokenizer
+
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        eos = list(getattr(tokenizer, "eos_token_ids", []) or []) or None
+        return from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+    except Exception:
+        return None
+
+
+def schema_of(response_format: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The JSON schema a ``response_format`` asks for (None: free text)."""
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise InvalidRequest(
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format",
+            )
+        return schema
+    raise InvalidRequest(
+        "response_format.type must be text, json_object or json_schema", param="response_format"
+    )
+
+
+def compile_schema(ll_tok: Any, schema: Mapping[str, Any]) -> str:
+    """The llguidance grammar for ``schema``; an invalid one is an InvalidRequest
+    naming the problem."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults={"whitespace_flexible": False}
+        )
+    except ValueError as exc:
+        raise InvalidRequest(f"response_format: {exc}", param="response_format") from None
+    message = LLMatcher.validate_grammar(grammar, ll_tok)
+    if message:
+        raise InvalidRequest(
+            f"response_format: the JSON schema cannot be used: {message}", param="response_format"
+        )
+    return grammar
+
+
+class GrammarMask:
+    """Per-row logits processor holding one llguidance matcher."""
+
+    def __init__(self, ll_tok: Any, grammar: str, vocab_size: int):
+        from llguidance import LLMatcher
+        from llguidance.numpy import allocate_token_bitmask
+
+        self._matcher = LLMatcher(ll_tok, grammar, log_level=0)
+        self._bitmask = allocate_token_bitmask(1, vocab_size)
+        self._vocab = vocab_size
+        self._seen: int | None = None  # context length at the last call
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx
+        from llguidance.numpy import fill_next_token_bitmask
+
+        n = int(tokens.size)
+        if self._seen is not None and n > self._seen:
+            for token in tokens[self._seen :].tolist():
+                if not self._matcher.consume_token(int(token)):
+                    raise ValueError(f"constraint: {self._matcher.get_error()}")
+        self._seen = n
+        if self._matcher.is_error():
+            raise ValueError(f"constraint: {self._matcher.get_error()}")
+        fill_next_token_bitmask(self._matcher, self._bitmask)
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self._vocab]
+        width = logits.shape[-1]
+        allowed = np.zeros(width, dtype=bool)
+        allowed[: min(width, self._vocab)] = bits[:width].astype(bool)
+        return mx.where(mx.array(allowed), logits, -mx.inf)
