@@ -123,6 +123,46 @@ def engine_batch(model, tokenizer, n: int) -> float:
     return trio.run(go)
 
 
+# A schema an answer can fill for a while: constrained decoding's cost is per step.
+CONSTRAINT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "notes": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["title", "notes"],
+}
+
+
+def constrained_step_time(model, tokenizer, constrained: bool, n: int = 8) -> float:
+    """Mean decode step time (GPU seconds) of ``n`` rows decoding together, every
+    row constrained to a JSON schema or none."""
+    from mlx_nursery.actors import open_engine
+
+    ids = batch_prompts(tokenizer, n)
+    fmt = {"type": "json_schema", "json_schema": {"schema": CONSTRAINT_SCHEMA}}
+
+    async def go():
+        async with open_engine((model, tokenizer), batch=n) as engine:
+            extra = {"response_format": fmt} if constrained else {}
+            async with trio.open_nursery() as nursery:
+                for p in ids:
+                    nursery.start_soon(lambda p=p: engine.generate(p, max_tokens=64, **extra))
+            steps = engine.stats().step_time
+            return steps.sum / steps.count
+
+    return trio.run(go)
+
+
+def constraint_cost(model, tokenizer, repeats: int) -> dict:
+    return paired(
+        "8 rows, decode step ms: all constrained (JSON schema) vs none",
+        lambda: 1e3 * constrained_step_time(model, tokenizer, True),
+        lambda: 1e3 * constrained_step_time(model, tokenizer, False),
+        repeats,
+    )
+
+
 def paired(name: str, ours, theirs, repeats: int) -> dict:
     a, b = [], []
     ours()  # warm-up: first-call kernel and allocation costs are nobody's figure
@@ -390,6 +430,27 @@ def write_docs(results: dict, section: str) -> None:
     doc.write_text(f"{head}{start}\n{body}\n{end}{tail}")
 
 
+def write_constraint_doc(row: dict, label: str) -> None:
+    doc = DOCS / "benchmarks.md"
+    start, end = "<!-- bench:constraints:start -->", "<!-- bench:constraints:end -->"
+    text = doc.read_text()
+    if start not in text:
+        text += f"\n{start}\n{end}\n"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    body = "\n".join([
+        f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; model: {label} (float32); "
+        "8 rows x 64 tokens at B=8, mean GPU time of a decode step, median (min-max) of "
+        "paired repeats.",
+        "",
+        "| measurement | constrained | free | ratio |",
+        "| --- | --- | --- | --- |",
+        f"| {row['name']} | {fmt(row['ours'])} | {fmt(row['mlx_lm'])} | "
+        f"{fmt(row['ratio'], digits=3)} |",
+    ])  # fmt: skip
+    doc.write_text(f"{head}{start}\n{body}\n{end}{tail}")
+
+
 def float32_copy(gguf_file: Path) -> Path:
     """The converted GGUF model, dequantized to float32 and saved, so that both
     servers (mlx_lm.server has no dtype flag) and both in-process sides run the
@@ -431,6 +492,9 @@ def main() -> int:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument(
+        "--constraints", action="store_true", help="only the constrained-decoding step cost"
+    )
     args = parser.parse_args()
 
     lib = find_openblas()
@@ -451,6 +515,10 @@ def main() -> int:
         parser.error("give --model DIR or --real")
     model, tokenizer = mlx_load(args.model)
     print(f"benchmarking {args.model} on {blas()}", flush=True)
+    if args.constraints:
+        row = constraint_cost(model, tokenizer, args.repeats)
+        write_constraint_doc(row, label)
+        return 0
     results = {
         "environment": {
             "date": time.strftime("%Y-%m-%d"),

@@ -257,3 +257,29 @@ def test_models_are_named_by_a_short_id_never_a_path():
     assert short_id("/m/gemma-3-270m-it-Q4_K_M.gguf") == "gemma-3-270m-it"
     assert short_id("/models/llama/") == "llama"
     assert short_id("mlx-community/Qwen3-0.6B-4bit") == "Qwen3-0.6B-4bit"
+
+
+async def test_serve_takes_a_gguf_file_and_names_it_by_its_short_id(tmp_path, cache):
+    import httpx
+    import trio
+    from conftest import running_server
+
+    path = tmp_path / "Tiny-Llama-Chat.Q4_1.gguf"
+    write_gguf(path)
+    with trio.fail_after(60):
+        async with running_server(model=str(path)) as (url, _):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                models = (await client.get("/v1/models")).json()
+                assert [m["id"] for m in models["data"]] == ["tiny-llama-chat"]
+                body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200 and r.json()["model"] == "tiny-llama-chat"
+
+
+def test_a_bad_flag_is_a_usage_error_naming_it(capsys):
+    from mlx_nursery.server.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--model", "x", "--batch", "0"])
+    assert exit_.value.code == 2
+    assert "--batch: batch must be an integer of at least 1" in capsys.readouterr().err
