@@ -22,6 +22,7 @@ import trio
 
 from .emitter import Ended
 from .gpu import Gpu
+from .mailbox import closing
 from .prompt_cache import Trim
 from .request import FinishReason, Lane
 from .row import Cancel, End, Finish, Phase, Row
@@ -134,8 +135,8 @@ class Admission:
         return any(lane is Lane.SERIAL for lane in self._lanes.values())
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        cache = self.to_prompt_cache or contextlib.nullcontext()
-        with self.inbox, self.to_prefill, self.to_serial, self.to_emitter, cache:
+        channels = (self.inbox, self.to_prefill, self.to_serial, self.to_emitter)
+        with closing(*channels, self.to_prompt_cache):
             task_status.started()
             live = 0
             while True:

@@ -15,7 +15,6 @@ the error, the batch KV is dropped, and decoding goes on with whatever joins nex
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -25,6 +24,7 @@ import trio
 from .admission import Left
 from .emitter import Ended, TokenOut, Tokens
 from .gpu import Gpu
+from .mailbox import closing
 from .prefill import Join
 from .prompt_cache import Put, worth_keeping
 from .request import FinishReason
@@ -93,10 +93,7 @@ class Decode:
         self._batch = Batch(self.model)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with contextlib.ExitStack() as stack:
-            for channel in (self.inbox, self.to_emitter, self.to_admission, self.to_prompt_cache):
-                if channel is not None:
-                    stack.enter_context(channel)
+        with closing(self.inbox, self.to_emitter, self.to_admission, self.to_prompt_cache):
             task_status.started()
             while True:
                 if not self._rows and not self._joining:

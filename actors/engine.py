@@ -33,6 +33,7 @@ from .errors import EngineClosed, InvalidRequest, Overloaded
 from .gpu import Gpu
 from .intake import Intake, Prompt
 from .loading import ModelInfo, load_model
+from .mailbox import Mailbox
 from .prefill import PrefillActor
 from .prompt_cache import PromptCacheActor
 from .request import Result
@@ -217,33 +218,18 @@ async def open_engine(
         await gpu.stop()
 
 
-@attrs.frozen
-class _Mailbox:
-    """One actor's mailbox: the send end (cloned for each producer) and the inbox."""
-
-    send: trio.MemorySendChannel
-    inbox: trio.MemoryReceiveChannel
-
-    @classmethod
-    def open(cls, size: int) -> _Mailbox:
-        return cls(*trio.open_memory_channel(size))
-
-    def clone(self) -> trio.MemorySendChannel:
-        return self.send.clone()
-
-
 def _wire(
     model: Any, tokenizer: Any, settings: EngineSettings, budget: int | None, gpu: Gpu, stats: Stats
 ) -> tuple[list[Any], trio.MemorySendChannel]:
     """Open every mailbox, then build each actor with its ends, in one pass. Each
     producer gets its own clone of a send end and closes it when it stops; the
     originals are closed here, but admission's, which the engine keeps."""
-    adm = _Mailbox.open(admission.MAILBOX_SIZE)
-    pre = _Mailbox.open(prefill.MAILBOX_SIZE)
-    dec = _Mailbox.open(decode.MAILBOX_SIZE)
-    ser = _Mailbox.open(serial.MAILBOX_SIZE)
-    emit = _Mailbox.open(emitter.MAILBOX_SIZE)
-    cache = _Mailbox.open(prompt_cache.MAILBOX_SIZE) if settings.prompt_cache_size else None
+    adm = Mailbox.open(admission.MAILBOX_SIZE)
+    pre = Mailbox.open(prefill.MAILBOX_SIZE)
+    dec = Mailbox.open(decode.MAILBOX_SIZE)
+    ser = Mailbox.open(serial.MAILBOX_SIZE)
+    emit = Mailbox.open(emitter.MAILBOX_SIZE)
+    cache = Mailbox.open(prompt_cache.MAILBOX_SIZE) if settings.prompt_cache_size else None
 
     def to_cache() -> trio.MemorySendChannel | None:
         return cache.clone() if cache is not None else None

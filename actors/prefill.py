@@ -12,7 +12,6 @@ caches) and goes to decode to join the batch. A prefill error fails only its row
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import attrs
@@ -21,6 +20,7 @@ import trio
 from .admission import Left, Submit
 from .emitter import Ended, TokenOut, Tokens
 from .gpu import Gpu
+from .mailbox import closing
 from .prompt_cache import EntryKind, Put, take
 from .request import FinishReason
 from .row import Cancel, End, Finish, Phase, Row
@@ -143,10 +143,7 @@ class PrefillActor:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         channels = (self.inbox, self.to_decode, self.to_emitter, self.to_admission)
-        with contextlib.ExitStack() as stack:
-            for channel in (*channels, self.to_prompt_cache):
-                if channel is not None:
-                    stack.enter_context(channel)
+        with closing(*channels, self.to_prompt_cache):
             task_status.started()
             while True:
                 if not self._active:

@@ -9,7 +9,6 @@ call, so cancels and the event loop get a turn between tokens.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import attrs
@@ -18,6 +17,7 @@ import trio
 from .admission import Left, Submit
 from .emitter import Ended, TokenOut, Tokens
 from .gpu import Gpu
+from .mailbox import closing
 from .prompt_cache import Hit, Put, take, worth_keeping
 from .request import FinishReason
 from .row import Cancel, End, Finish, Phase, Row
@@ -85,10 +85,7 @@ class Serial:
     _current: Row | None = attrs.field(default=None, init=False)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with contextlib.ExitStack() as stack:
-            for channel in (self.inbox, self.to_emitter, self.to_admission, self.to_prompt_cache):
-                if channel is not None:
-                    stack.enter_context(channel)
+        with closing(self.inbox, self.to_emitter, self.to_admission, self.to_prompt_cache):
             task_status.started()
             async for message in self.inbox:
                 match message:
