@@ -107,3 +107,14 @@ class GrammarMask:
         allowed = np.zeros(width, dtype=bool)
         allowed[: min(width, self._vocab)] = bits[:width].astype(bool)
         return mx.where(mx.array(allowed), logits, -mx.inf)
+
+
+def compile_lark(ll_tok: Any, lark: str, param: str) -> str:
+    """The llguidance grammar for a lark grammar built here (tool calls)."""
+    from llguidance import LLMatcher
+
+    grammar = LLMatcher.grammar_from_lark(lark)
+    message = LLMatcher.validate_grammar(grammar, ll_tok)
+    if message:
+        raise InvalidRequest(f"{param}: the schema cannot be used: {message}", param=param)
+    return grammar

@@ -24,6 +24,7 @@ import trio
 from .request import Event, FinishReason, TopLogprob, Usage
 from .row import Cancel, Finish, Row
 from .stats import Count, Observe, Stats
+from .tools import ToolScanner
 
 MAILBOX_SIZE = 4096
 
@@ -68,6 +69,7 @@ class _Delivery:
     delivered: int = 0  # tokens delivered (usage's completion_tokens)
     first_token_at: float | None = None
     halted: Halt | None = None  # set once the owner has been asked to end the row
+    tools: ToolScanner | None = None  # lifts tool calls out of the text (rows with tools)
     fault: str | None = None  # what went wrong in this row's delivery
 
 
@@ -90,6 +92,7 @@ def _split_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
 _LEDGER = {
     FinishReason.STOP: "finished",
     FinishReason.LENGTH: "finished",
+    FinishReason.TOOL_CALLS: "finished",
     FinishReason.ERROR: "errored",
     FinishReason.CANCELLED: "cancelled",
 }
@@ -123,8 +126,12 @@ class Emitter:
     def _delivery(self, row: Row) -> _Delivery:
         d = self._rows.get(row.id)
         if d is None:
-            d = self._rows[row.id] = _Delivery(self.tokenizer.detokenizer)
+            d = self._rows[row.id] = self._new_delivery(row)
         return d
+
+    def _new_delivery(self, row: Row) -> _Delivery:
+        scans = bool(row.params.tools) and row.params.tool_choice != "none"
+        return _Delivery(self.tokenizer.detokenizer, tools=ToolScanner() if scans else None)
 
     def _token(self, item: TokenOut) -> int:
         """Deliver one token (and the row's end, if it ends); returns tokens delivered."""
@@ -147,7 +154,11 @@ class Emitter:
             self.stats.post(Observe("time_to_first_token", now - row.times.submitted))
         d.detokenizer.add_token(item.token)
         shown, d.held, stopped = _split_stop(d.held + d.detokenizer.last_segment, row.params.stop)
-        if not self._deliver(row, Event(item.token, shown, item.logprob, item.top_logprobs)):
+        calls: list = []
+        if d.tools is not None:
+            shown, calls = d.tools.feed(shown)
+        event = Event(item.token, shown, item.logprob, item.top_logprobs, tool_calls=tuple(calls))
+        if not self._deliver(row, event):
             self._halt(row, d, Halt.GONE)
             return 0
         d.delivered += 1
@@ -181,19 +192,25 @@ class Emitter:
     def _end(self, row: Row) -> None:
         """The row's one terminal event, and its count in the ledger."""
         reason, detail = row.end.reason, row.end.detail
-        d = self._rows.pop(row.id, None) or _Delivery(self.tokenizer.detokenizer)
-        text = ""
-        if reason.finished and d.halted is None:
+        d = self._rows.pop(row.id, None) or self._new_delivery(row)
+        text, calls = "", []
+        if reason.finished and d.halted in (None, Halt.STOP_STRING):
             try:
-                d.detokenizer.finalize()
-                text, _, _ = _split_stop(d.held + d.detokenizer.last_segment, row.params.stop)
+                if d.halted is None:
+                    d.detokenizer.finalize()
+                    text, _, _ = _split_stop(d.held + d.detokenizer.last_segment, row.params.stop)
+                if d.tools is not None:
+                    text, calls = d.tools.feed(text, final=True)
+                    if reason is FinishReason.STOP and d.tools.calls:
+                        reason = FinishReason.TOOL_CALLS
             except Exception as exc:
                 reason = FinishReason.ERROR
                 detail = f"this request failed in delivery: {type(exc).__name__}: {exc}"
         usage = usage_of(row, d, trio.current_time())
         event = Event(
-            None, text, finish_reason=reason, error=detail, error_code=row.end.code, usage=usage
-        )
+            None, text, finish_reason=reason, error=detail, error_code=row.end.code, usage=usage,
+            tool_calls=tuple(calls),
+        )  # fmt: skip
         self._deliver(row, event)
         row.events.close()
         self.stats.post(Count(_LEDGER[reason]))

@@ -15,12 +15,13 @@ import attrs
 import trio
 
 from .budget import project
-from .constrain import GrammarMask, compile_schema, schema_of
+from .constrain import GrammarMask, compile_lark, compile_schema, schema_of
 from .errors import ContextOverflow, InvalidRequest
 from .loading import ModelInfo
 from .request import Lane, SamplingParams
 from .row import Row, RowTimes
 from .settings import EngineSettings
+from .tools import call_grammar, chosen, render_messages
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
@@ -40,8 +41,10 @@ class Intake:
         """A QUEUED row for this request, and the receive end of its event channel
         (sized for every token plus the terminal event: delivery never blocks).
         Raises :class:`InvalidRequest` for anything the engine cannot run."""
-        ids, boundary = self.encode(prompt)
         sampling = SamplingParams.build({"max_tokens": self.settings.max_tokens, **params})
+        choice = chosen(sampling.tools, sampling.tool_choice)
+        sampling = attrs.evolve(sampling, tool_choice=choice)
+        ids, boundary = self.encode(prompt, sampling.tools if choice != "none" else ())
         sampling = self._constrain(sampling)
         self._check_token_ids(sampling)
         self._check_context(ids, sampling)
@@ -72,27 +75,36 @@ class Intake:
         return project(self.info.kv_costs, tokens, self.settings.prefill_step_size)
 
     def _constrain(self, params: SamplingParams) -> SamplingParams:
-        """A response format becomes a grammar mask of the row's own (one matcher
-        per request), after the caller's processors."""
-        if params.response_format is None:
+        """A response format, or a required tool call, becomes a grammar mask of the
+        row's own (one matcher per request), after the caller's processors."""
+        schema = schema_of(params.response_format) if params.response_format else None
+        calls = call_grammar(params.tools, params.tool_choice, params.parallel_tool_calls)
+        if schema is None and calls is None:
             return params
-        schema = schema_of(params.response_format)
-        if schema is None:
-            return params
-        if self.ll_tokenizer is None or self.info.vocab_size is None:
+        param = "response_format" if schema is not None else "tool_choice"
+        if schema is not None and calls is not None:
             raise InvalidRequest(
-                "response_format needs constrained decoding, which this model's tokenizer "
-                "does not support",
+                "response_format and a required tool call cannot both shape the answer",
                 param="response_format",
             )
-        grammar = compile_schema(self.ll_tokenizer, schema)
+        if self.ll_tokenizer is None or self.info.vocab_size is None:
+            raise InvalidRequest(
+                f"{param} needs constrained decoding, which this model's tokenizer does not "
+                "support",
+                param=param,
+            )
+        if schema is not None:
+            grammar = compile_schema(self.ll_tokenizer, schema)
+        else:
+            grammar = compile_lark(self.ll_tokenizer, calls, "tools")
         mask = GrammarMask(self.ll_tokenizer, grammar, self.info.vocab_size)
         return attrs.evolve(params, logits_processors=(*params.logits_processors, mask))
 
     # -- the prompt ---------------------------------------------------------------
 
-    def encode(self, prompt: Prompt) -> tuple[list[int], int | None]:
-        """Token ids, and for chat messages where the last message starts."""
+    def encode(self, prompt: Prompt, tools: tuple = ()) -> tuple[list[int], int | None]:
+        """Token ids, and for chat messages where the last message starts (with
+        ``tools``, the messages are rendered in the generic tool format first)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt is empty", param="prompt")
@@ -112,7 +124,8 @@ class Intake:
                 )
             return items, None
         if all(isinstance(m, Mapping) for m in items):
-            return self._chat(items)
+            history = any(m.get("tool_calls") or m.get("role") == "tool" for m in items)
+            return self._chat(render_messages(items, tools) if tools or history else items)
         raise InvalidRequest(
             "prompt must be a string, a list of token ids, or a list of chat messages",
             param="prompt",

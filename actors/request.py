@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from .errors import InvalidRequest
+from .tools import ToolCall, check_tools
 
 MAX_TOP_LOGPROBS = 20
 
@@ -28,13 +29,14 @@ class FinishReason(enum.StrEnum):
 
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens
+    TOOL_CALLS = "tool_calls"  # stopped after calling tools
     ERROR = "error"
     CANCELLED = "cancelled"
 
     @property
     def finished(self) -> bool:
         """The row ran to its natural end (its KV is worth keeping)."""
-        return self in (FinishReason.STOP, FinishReason.LENGTH)
+        return self in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)
 
 
 def _fail(param: str, message: str) -> None:
@@ -150,6 +152,11 @@ class SamplingParams:
     # {"schema": {...}}}. The engine's intake turns it into a grammar mask (a
     # processor of the row's own); checked there, against the model's tokenizer.
     response_format: Mapping[str, Any] | None = None
+    # OpenAI function tools, in the generic format (actors/tools.py). The intake
+    # settles tool_choice to auto | none | required | a tool's name.
+    tools: tuple[Mapping[str, Any], ...] = attrs.field(default=(), converter=check_tools)
+    tool_choice: Any = None
+    parallel_tool_calls: bool = attrs.field(default=True, validator=_flag)
 
     @logits_processors.validator
     def _processors(self, attribute, value) -> None:
@@ -224,6 +231,7 @@ class Event:
     error: str | None = None
     error_code: str | None = None  # a machine-readable kind of error, where there is one
     usage: Usage | None = None
+    tool_calls: tuple[ToolCall, ...] = ()  # calls completed with this event
 
     @property
     def terminal(self) -> bool:
@@ -238,3 +246,4 @@ class Result:
     usage: Usage
     logprobs: list[float] | None = None
     top_logprobs: list[tuple[TopLogprob, ...]] | None = None
+    tool_calls: list[ToolCall] = attrs.field(factory=list)

@@ -351,6 +351,11 @@ def _frames(event, shaper: ChunkShaper, parsed: Parsed) -> tuple[bytes, bool]:
         return _sse_data(ApiError(500, message, type=kind, code=event.error_code).body()), True
     out = b""
     chunk = shaper.chunk(event)
+    if chunk is not None and event.text:  # content first, then the calls it preceded
+        out += _sse_data(chunk)
+        chunk = None
+    for tool_chunk in shaper.tool_chunks(event):
+        out += _sse_data(tool_chunk)
     if chunk is not None:
         out += _sse_data(chunk)
     if event.terminal and parsed.include_usage and event.usage is not None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 from mlx_nursery.actors import Event, Result, Usage
+from mlx_nursery.actors.tools import ToolCall
 
 
 @attrs.frozen
@@ -89,13 +90,13 @@ _SAMPLING = (
 _LABELS = ("user", "metadata", "store", "service_tier")
 _COMMON = (
     *_SAMPLING, *_LABELS, "model", "max_completion_tokens", "n", "stream", "stream_options",
-    "tools", "tool_choice", "functions", "function_call",
-    "parallel_tool_calls",
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
 )  # fmt: skip
 _FIELDS = {
     "chat": frozenset((*_COMMON, "messages", "logprobs", "top_logprobs")),
     "completion": frozenset((*_COMMON, "prompt", "logprobs", "echo", "suffix", "best_of")),
 }
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat only; checked by the engine
 
 
 def _check_fields(body: Mapping[str, Any], route: str) -> None:
@@ -104,12 +105,13 @@ def _check_fields(body: Mapping[str, Any], route: str) -> None:
     for name in body:
         if name not in _FIELDS[route]:
             raise bad(f"unknown field {name!r}: this route does not take it", name)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad(f"'{name}' is not supported by this server yet (no tool calling)", name)
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none", "auto"):
-            raise bad(f"'{name}' needs tools, which this server does not support yet", name)
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise bad(f"'{name}' is the deprecated form: send 'tools' / 'tool_choice'", name)
+    if route == "completion":
+        for name in _TOOL_FIELDS:
+            if body.get(name) is not None:
+                raise bad(f"'{name}' needs chat messages: use /v1/chat/completions", name)
     if body.get("echo"):
         raise bad("'echo' is not supported: the prompt is not repeated back", "echo")
     if body.get("suffix") not in (None, ""):
@@ -192,6 +194,9 @@ def parse_chat(body: Mapping[str, Any], defaults: Defaults) -> Parsed:
         params["top_logprobs"] = body.get("top_logprobs") or 0
     elif body.get("top_logprobs"):
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    for name in _TOOL_FIELDS:
+        if body.get(name) is not None:
+            params[name] = body[name]
     stream, include_usage = _stream(body)
     return Parsed(rendered, params, stream, include_usage, _model(body), Style.CHAT, fields)
 
@@ -278,15 +283,27 @@ def completion_logprobs(tokenizer, tokens, logprobs, tops, offset: int = 0) -> d
     }
 
 
+def tool_call_body(call: ToolCall) -> dict:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
 def full_response(parsed: Parsed, model: str, result: Result, tokenizer) -> dict:
     created = int(time.time())
     if parsed.style is Style.CHAT:
         lp = None
         if result.logprobs is not None:
             lp = chat_logprobs(tokenizer, result.tokens, result.logprobs, result.top_logprobs)
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if result.tool_calls:
+            message["content"] = result.text or None
+            message["tool_calls"] = [tool_call_body(c) for c in result.tool_calls]
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": result.text},
+            "message": message,
             "finish_reason": result.finish_reason,
             "logprobs": lp,
         }
@@ -323,6 +340,7 @@ class ChunkShaper:
     created: int = attrs.field(factory=lambda: int(time.time()))
     sent_role: bool = False
     offset: int = 0
+    calls: int = 0  # tool calls streamed so far (their indices)
 
     def __attrs_post_init__(self) -> None:
         self.id = new_id("chatcmpl" if self.parsed.style is Style.CHAT else "cmpl")
@@ -361,6 +379,25 @@ class ChunkShaper:
             choice = {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": lp}
         self.offset += len(event.text)
         return self._wrap([choice])
+
+    def tool_chunks(self, event: Event) -> list[dict]:
+        """OpenAI's streamed tool calls: for each call, its index, id and name first
+        (arguments empty), then its arguments."""
+        out = []
+        for call in event.tool_calls:
+            head = {"index": self.calls, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+            first: dict[str, Any] = {"tool_calls": [head]}
+            if not self.sent_role:
+                first["role"], self.sent_role = "assistant", True
+            args = {
+                "tool_calls": [{"index": self.calls, "function": {"arguments": call.arguments}}]
+            }
+            for delta in (first, args):
+                out.append(self._wrap([{"index": 0, "delta": delta, "finish_reason": None,
+                                        "logprobs": None}]))  # fmt: skip
+            self.calls += 1
+        return out
 
     def usage_chunk(self, usage: Usage) -> dict:
         """The final chunk of a stream with ``include_usage``: no choices, the usage."""

@@ -35,7 +35,12 @@ WRONG = {
     "n": [2, 0, "1", 10**30, True],
     "model": [5, [], {}, "gpt-17"],
     "stream_options": ["x", 5, {"include_usage": "yes"}],
-    "tools": [[{"type": "function", "function": {"name": "f"}}]],
+    "tools": [
+        [{"type": "retrieval"}],
+        "x",
+        [{"type": "function"}],
+        [{"type": "function", "function": {"name": "f", "parameters": 5}}],
+    ],
     "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}],
     "response_format": ["json", {"type": "yaml"}, {"type": "json_schema"}, [1]],
 }
@@ -127,7 +132,8 @@ async def test_two_thousand_malformed_bodies_are_each_refused_and_the_server_sta
         ({"stop": [" "]}, 200, None),
         ({"n": 2}, 400, "n"),
         ({"n": 1}, 200, None),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 200, None),
+        ({"tools": [{"type": "code_interpreter"}]}, 400, "tools"),
         ({"tool_choice": "required"}, 400, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, 200, None),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, 400, "response_format"),

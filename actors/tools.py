@@ -1,0 +1,200 @@
+"""Tool calls in the generic format, for every model.
+
+The request's tools are described in the system prompt and the model is asked to
+call one as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the
+Hermes convention). Earlier calls and tool results in the conversation are
+rendered the same way, so any chat template can carry them. ``tool_choice``
+``required`` or a named function constrains the answer to exactly such calls
+(an llguidance grammar over the tools' JSON schemas); ``auto`` leaves the model
+free and parses what it writes; ``none`` renders no tools and parses nothing.
+The emitter's :class:`ToolScanner` lifts calls out of the text, so markup never
+reaches a client's content.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from .errors import InvalidRequest
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@attrs.frozen
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+def _fail(message: str, param: str = "tools") -> None:
+    raise InvalidRequest(message, param=param)
+
+
+def check_tools(tools: Any) -> tuple[Mapping[str, Any], ...]:
+    """OpenAI function tools; anything else is refused naming the problem."""
+    if tools is None:
+        return ()
+    if not isinstance(tools, list | tuple):
+        _fail("tools must be a list of function tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+            _fail(f"tools[{i}]: only type 'function' is supported")
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            _fail(f"tools[{i}].function needs a non-empty 'name'")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, Mapping):
+            _fail(f"tools[{i}].function.parameters must be a JSON schema object")
+    return tuple(tools)
+
+
+def chosen(tools: Sequence[Mapping[str, Any]], choice: Any) -> str | None:
+    """The tool_choice as ``auto``, ``none``, ``required`` or a tool's name."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("auto", "none", "required"):
+        if choice != "none" and not tools:
+            _fail(f"tool_choice {choice!r} needs tools", "tool_choice")
+        return choice
+    fn = choice.get("function") if isinstance(choice, Mapping) else None
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    names = [t["function"]["name"] for t in tools]
+    if not isinstance(name, str) or name not in names:
+        _fail(
+            f"tool_choice must be auto, none, required or a function among {names}", "tool_choice"
+        )
+    return name
+
+
+def _schema(tool: Mapping[str, Any]) -> dict:
+    fn = tool["function"]
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": fn["name"]},
+            "arguments": fn.get("parameters") or {"type": "object"},
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def call_grammar(tools: Sequence[Mapping[str, Any]], choice: str, parallel: bool) -> str | None:
+    """The lark grammar a ``required`` or named choice constrains the answer to."""
+    if choice in ("auto", "none"):
+        return None
+    pool = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
+    schema = _schema(pool[0]) if len(pool) == 1 else {"anyOf": [_schema(t) for t in pool]}
+    schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
+    repeat = "+" if parallel else ""
+    return f'start: call{repeat}\ncall: "{OPEN}" obj "{CLOSE}"\nobj: %json {json.dumps(schema)}\n'
+
+
+def system_text(tools: Sequence[Mapping[str, Any]]) -> str:
+    lines = [
+        "You can call these functions. To call one, reply with",
+        f'{OPEN}{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}{CLOSE}',
+        "and nothing else for that call. Functions:",
+    ]
+    for tool in tools:
+        fn = tool["function"]
+        spec = {"name": fn["name"], "description": fn.get("description", ""),
+                "parameters": fn.get("parameters") or {"type": "object"}}  # fmt: skip
+        lines.append(json.dumps(spec))
+    return "\n".join(lines)
+
+
+def render_messages(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+) -> list[dict]:
+    """Messages any chat template can render: the tools in the system prompt,
+    earlier calls as markup in the assistant's content, results as user turns."""
+    out: list[dict] = []
+    for m in messages:
+        role, content = m.get("role"), m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [_markup(c) for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": content + "".join(calls)})
+        elif role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>{content}</tool_response>"})
+        else:
+            out.append({"role": role, "content": content})
+    if tools:
+        text = system_text(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{text}"}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _markup(call: Any) -> str:
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        _fail("an assistant message's tool_calls need function.name", "messages")
+    args = fn.get("arguments") or "{}"
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        _fail("an assistant message's tool call arguments must be JSON", "messages")
+    return f"{OPEN}{json.dumps({'name': fn['name'], 'arguments': parsed})}{CLOSE}"
+
+
+@attrs.define
+class ToolScanner:
+    """Splits a row's streamed text into content and tool calls (emitter-side)."""
+
+    text: str = ""  # held back: a possible tag start, or an open call's body
+    inside: bool = False
+    calls: int = 0
+
+    def feed(self, piece: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
+        self.text += piece
+        shown, found = [], []
+        while True:
+            if not self.inside:
+                at = self.text.find(OPEN)
+                if at < 0:
+                    keep = 0 if final else _partial(self.text, OPEN)
+                    shown.append(self.text[: len(self.text) - keep])
+                    self.text = self.text[len(self.text) - keep :]
+                    break
+                shown.append(self.text[:at])
+                self.text, self.inside = self.text[at + len(OPEN) :], True
+            end = self.text.find(CLOSE)
+            if end < 0:
+                if final:  # an unfinished call: its text, never its markup
+                    shown.append(self.text)
+                    self.text, self.inside = "", False
+                break
+            body, self.text, self.inside = self.text[:end], self.text[end + len(CLOSE) :], False
+            call = self._parse(body)
+            if call is None:
+                shown.append(body)
+            else:
+                found.append(call)
+        return "".join(shown), found
+
+    def _parse(self, body: str) -> ToolCall | None:
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        self.calls += 1
+        args = json.dumps(obj.get("arguments", {}))
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"], args)
+
+
+def _partial(text: str, tag: str) -> int:
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0

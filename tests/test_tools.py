@@ -1,0 +1,126 @@
+"""Tool calls in the generic format, through the official openai SDK: a full round
+trip, streamed deltas that rebuild the non-streamed call, and on a random-weight
+model (whose free text is noise) required calls whose arguments always validate."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import jsonschema
+import openai
+import trio
+from conftest import checked_engine, running_server
+from test_structured import random_schema
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                       "maxLength": 8}}, "required": ["city"], "additionalProperties": False},
+    },
+}  # fmt: skip
+CLOCK = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}},
+}  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def streamed_calls(chunks) -> list[dict]:
+    """Rebuild tool calls from OpenAI stream deltas, as a client does."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = d.id or call["id"]
+                if d.function is not None:
+                    call["name"] += d.function.name or ""
+                    call["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
+
+
+async def test_a_tool_round_trip_streamed_and_not():
+    with trio.fail_after(120):
+        async with running_server() as (url, _):
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+            args = {"model": "llama", "messages": ASK, "tools": [WEATHER, CLOCK],
+                    "tool_choice": "required", "max_tokens": 200}  # fmt: skip
+            reply = await client.chat.completions.create(**args)
+            choice = reply.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            (call,) = choice.message.tool_calls
+            assert call.id.startswith("call_") and call.function.name in ("get_weather", "get_time")
+            stream = await client.chat.completions.create(**args, stream=True)
+            chunks = [c async for c in stream]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            assert all("<tool_call>" not in (c.choices[0].delta.content or "") for c in chunks)
+            (again,) = streamed_calls(chunks)
+            assert (again["name"], again["arguments"]) == (
+                call.function.name,
+                call.function.arguments,
+            )
+            called = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
+            result = {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}
+            follow = [*ASK, called, result]
+            final = await client.chat.completions.create(
+                model="llama", messages=follow, tools=[WEATHER], tool_choice="none", max_tokens=16
+            )
+            assert final.choices[0].message.tool_calls is None
+            assert final.choices[0].finish_reason in ("stop", "length")
+            await client.close()
+
+
+async def test_required_calls_on_a_noise_model_always_match_twenty_seeded_schemas():
+    rng = random.Random(4321)
+    with trio.fail_after(300):
+        async with running_server() as (url, _):
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+            for i in range(20):
+                schema = random_schema(rng)
+                tool = {"type": "function", "function": {"name": f"tool_{i}",
+                                                         "parameters": schema}}  # fmt: skip
+                reply = await client.chat.completions.create(
+                    model="llama", messages=ASK, tools=[tool, CLOCK],
+                    tool_choice={"type": "function", "function": {"name": f"tool_{i}"}},
+                    max_tokens=300,
+                )  # fmt: skip
+                choice = reply.choices[0]
+                assert choice.finish_reason == "tool_calls", (i, choice.message)
+                (call,) = choice.message.tool_calls
+                assert call.function.name == f"tool_{i}"
+                jsonschema.validate(json.loads(call.function.arguments), schema)
+            await client.close()
+
+
+async def test_bad_tools_are_400s_naming_the_field():
+    cases = [
+        ({"tools": [{"type": "code_interpreter"}]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function",
+                                              "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ]  # fmt: skip
+    with trio.fail_after(60):
+        async with running_server() as (url, _):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                for extra, param in cases:
+                    body = {"messages": ASK, "max_tokens": 8, **extra}
+                    r = await client.post("/v1/chat/completions", json=body)
+                    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+                body = {"prompt": "hi", "tools": [WEATHER]}
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+async def test_the_embedding_api_runs_an_agent_step_without_http():
+    async with checked_engine("llama", batch=4) as engine:
+        result = await engine.generate(ASK, tools=[WEATHER], tool_choice="required", max_tokens=200)
+    assert result.finish_reason == "tool_calls"
+    (call,) = result.tool_calls
+    assert call.name == "get_weather" and "city" in json.loads(call.arguments)
