@@ -24,7 +24,7 @@ import trio
 from .request import Event, FinishReason, TopLogprob, Usage
 from .row import Cancel, Finish, Row
 from .stats import Count, Observe, Stats
-from .tools import ToolScanner
+from .tools import ReasoningScanner, ToolScanner
 
 MAILBOX_SIZE = 4096
 
@@ -70,6 +70,7 @@ class _Delivery:
     first_token_at: float | None = None
     halted: Halt | None = None  # set once the owner has been asked to end the row
     tools: ToolScanner | None = None  # lifts tool calls out of the text (rows with tools)
+    thinking: ReasoningScanner | None = None  # splits a thinking model's reasoning out
     fault: str | None = None  # what went wrong in this row's delivery
 
 
@@ -104,6 +105,7 @@ class Emitter:
     stats: Stats
     inbox: trio.MemoryReceiveChannel
     to_admission: trio.MemorySendChannel  # Finish / Cancel for the row's owner
+    think: tuple[str, str] | None = None  # the model's thinking markers
     _rows: dict[int, _Delivery] = attrs.field(factory=dict, init=False)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -131,7 +133,24 @@ class Emitter:
 
     def _new_delivery(self, row: Row) -> _Delivery:
         scans = bool(row.params.tools) and row.params.tool_choice != "none"
-        return _Delivery(self.tokenizer.detokenizer, tools=ToolScanner() if scans else None)
+        thinking = None
+        if self.think is not None:
+            thinking = ReasoningScanner(*self.think, inside=row.starts_thinking)
+        return _Delivery(
+            self.tokenizer.detokenizer,
+            tools=ToolScanner() if scans else None,
+            thinking=thinking,
+        )
+
+    @staticmethod
+    def _split(d: _Delivery, text: str, *, final: bool = False) -> tuple[str, str, list]:
+        """(content, reasoning, tool calls) of newly shown text."""
+        reasoning, calls = "", []
+        if d.thinking is not None:
+            text, reasoning = d.thinking.feed(text, final=final)
+        if d.tools is not None:
+            text, calls = d.tools.feed(text, final=final)
+        return text, reasoning, calls
 
     def _token(self, item: TokenOut) -> int:
         """Deliver one token (and the row's end, if it ends); returns tokens delivered."""
@@ -154,10 +173,11 @@ class Emitter:
             self.stats.post(Observe("time_to_first_token", now - row.times.submitted))
         d.detokenizer.add_token(item.token)
         shown, d.held, stopped = _split_stop(d.held + d.detokenizer.last_segment, row.params.stop)
-        calls: list = []
-        if d.tools is not None:
-            shown, calls = d.tools.feed(shown)
-        event = Event(item.token, shown, item.logprob, item.top_logprobs, tool_calls=tuple(calls))
+        shown, reasoning, calls = self._split(d, shown)
+        event = Event(
+            item.token, shown, item.logprob, item.top_logprobs,
+            tool_calls=tuple(calls), reasoning=reasoning,
+        )  # fmt: skip
         if not self._deliver(row, event):
             self._halt(row, d, Halt.GONE)
             return 0
@@ -193,23 +213,22 @@ class Emitter:
         """The row's one terminal event, and its count in the ledger."""
         reason, detail = row.end.reason, row.end.detail
         d = self._rows.pop(row.id, None) or self._new_delivery(row)
-        text, calls = "", []
+        text, reasoning, calls = "", "", []
         if reason.finished and d.halted in (None, Halt.STOP_STRING):
             try:
                 if d.halted is None:
                     d.detokenizer.finalize()
                     text, _, _ = _split_stop(d.held + d.detokenizer.last_segment, row.params.stop)
-                if d.tools is not None:
-                    text, calls = d.tools.feed(text, final=True)
-                    if reason is FinishReason.STOP and d.tools.calls:
-                        reason = FinishReason.TOOL_CALLS
+                text, reasoning, calls = self._split(d, text, final=True)
+                if reason is FinishReason.STOP and d.tools is not None and d.tools.calls:
+                    reason = FinishReason.TOOL_CALLS
             except Exception as exc:
                 reason = FinishReason.ERROR
                 detail = f"this request failed in delivery: {type(exc).__name__}: {exc}"
         usage = usage_of(row, d, trio.current_time())
         event = Event(
             None, text, finish_reason=reason, error=detail, error_code=row.end.code, usage=usage,
-            tool_calls=tuple(calls),
+            tool_calls=tuple(calls), reasoning=reasoning,
         )  # fmt: skip
         self._deliver(row, event)
         row.events.close()

@@ -203,7 +203,7 @@ async def open_engine(
             mode=_mode(settings.batch, info.batchable),
             kv_budget_bytes=budget,
         )
-        actors, to_admission = _wire(loaded, tokenizer, settings, budget, gpu, stats)
+        actors, to_admission = _wire(loaded, tokenizer, info, settings, budget, gpu, stats)
         ll_tok = await gpu.call(ll_tokenizer, tokenizer, info.vocab_size)
         intake = Intake(tokenizer, info, settings, budget, ll_tok)
         engine = Engine(loaded, tokenizer, info, settings, intake, stats, to_admission, gpu)
@@ -219,7 +219,13 @@ async def open_engine(
 
 
 def _wire(
-    model: Any, tokenizer: Any, settings: EngineSettings, budget: int | None, gpu: Gpu, stats: Stats
+    model: Any,
+    tokenizer: Any,
+    info: ModelInfo,
+    settings: EngineSettings,
+    budget: int | None,
+    gpu: Gpu,
+    stats: Stats,
 ) -> tuple[list[Any], trio.MemorySendChannel]:
     """Open every mailbox, then build each actor with its ends, in one pass. Each
     producer gets its own clone of a send end and closes it when it stops; the
@@ -241,10 +247,10 @@ def _wire(
             "to_prompt_cache": to_cache(),
         }
 
-    steps = settings.prefill_step_size
+    steps, think = settings.prefill_step_size, info.think
     actors: list[Any] = [
         stats,
-        Emitter(tokenizer, stats, inbox=emit.inbox, to_admission=adm.clone()),
+        Emitter(tokenizer, stats, inbox=emit.inbox, to_admission=adm.clone(), think=think),
         Decode(model, gpu, stats, inbox=dec.inbox, **ends()),
         Serial(model, gpu, stats, steps, inbox=ser.inbox, **ends()),
         PrefillActor(model, gpu, stats, steps, inbox=pre.inbox, to_decode=dec.clone(), **ends()),

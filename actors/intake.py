@@ -44,7 +44,8 @@ class Intake:
         sampling = SamplingParams.build({"max_tokens": self.settings.max_tokens, **params})
         choice = chosen(sampling.tools, sampling.tool_choice)
         sampling = attrs.evolve(sampling, tool_choice=choice)
-        ids, boundary = self.encode(prompt, sampling.tools if choice != "none" else ())
+        extra = dict(sampling.chat_template_kwargs or {})
+        ids, boundary = self.encode(prompt, sampling.tools if choice != "none" else (), extra)
         sampling = self._constrain(sampling)
         self._check_token_ids(sampling)
         self._check_context(ids, sampling)
@@ -61,6 +62,7 @@ class Intake:
             stop_ids=self.info.eos | frozenset(sampling.stop_token_ids),
             snapshot_at=boundary,
             kv_projected=kv,
+            starts_thinking=self._opens_thinking(ids),
         )
         return row, receive
 
@@ -102,7 +104,17 @@ class Intake:
 
     # -- the prompt ---------------------------------------------------------------
 
-    def encode(self, prompt: Prompt, tools: tuple = ()) -> tuple[list[int], int | None]:
+    def _opens_thinking(self, ids: list[int]) -> bool:
+        """Whether the prompt ends inside a think block (templates that open it)."""
+        if self.info.think is None:
+            return False
+        start, end = self.info.think
+        tail = self.tokenizer.decode(ids[-64:])
+        return tail.rfind(start) > tail.rfind(end)
+
+    def encode(
+        self, prompt: Prompt, tools: tuple = (), template: dict | None = None
+    ) -> tuple[list[int], int | None]:
         """Token ids, and for chat messages where the last message starts (with
         ``tools``, the messages are rendered in the generic tool format first)."""
         if isinstance(prompt, str):
@@ -125,30 +137,35 @@ class Intake:
             return items, None
         if all(isinstance(m, Mapping) for m in items):
             history = any(m.get("tool_calls") or m.get("role") == "tool" for m in items)
-            return self._chat(render_messages(items, tools) if tools or history else items)
+            messages = render_messages(items, tools) if tools or history else items
+            return self._chat(messages, template or {})
         raise InvalidRequest(
             "prompt must be a string, a list of token ids, or a list of chat messages",
             param="prompt",
         )
 
-    def _chat(self, messages: list[Mapping[str, Any]]) -> tuple[list[int], int | None]:
+    def _chat(
+        self, messages: list[Mapping[str, Any]], template: dict
+    ) -> tuple[list[int], int | None]:
         for i, m in enumerate(messages):
             if "role" not in m or "content" not in m:
                 raise InvalidRequest(
                     f"messages[{i}] needs a 'role' and a 'content'", param="messages"
                 )
-        ids = self.render(messages, generation_prompt=True)
+        ids = self.render(messages, generation_prompt=True, **template)
         boundary = None
         if len(messages) > 1:
-            before = self.render(messages[:-1], generation_prompt=False)
+            before = self.render(messages[:-1], generation_prompt=False, **template)
             boundary = len(before) if ids[: len(before)] == before else None
         return ids, boundary
 
-    def render(self, messages: list, *, generation_prompt: bool) -> list[int]:
+    def render(self, messages: list, *, generation_prompt: bool, **extra: Any) -> list[int]:
         try:
             return list(
                 self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=generation_prompt, **self.settings.template
+                    messages,
+                    add_generation_prompt=generation_prompt,
+                    **{**self.settings.template, **extra},
                 )
             )
         except Exception as exc:  # a template error is the request's (or the settings')

@@ -20,6 +20,8 @@ class ModelInfo:
     cache_kinds: tuple[str, ...]  # the cache classes, layer by layer (for logs and /stats)
     kv_costs: tuple[LayerCost, ...]  # per layer: how its KV bytes grow with length
     weights_bytes: int
+    # The tokenizer's thinking markers, e.g. ("<think>", "</think>"); None: no thinking.
+    think: tuple[str, str] | None = None
 
 
 def load_model(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
@@ -62,6 +64,9 @@ def load_model(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
         cache_kinds=tuple(type(c).__name__ for c in caches),
         kv_costs=probe(model),
         weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        think=(tokenizer.think_start, tokenizer.think_end)
+        if getattr(tokenizer, "has_thinking", False)
+        else None,
     )
     return model, tokenizer, info
 

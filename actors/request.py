@@ -157,6 +157,14 @@ class SamplingParams:
     tools: tuple[Mapping[str, Any], ...] = attrs.field(default=(), converter=check_tools)
     tool_choice: Any = None
     parallel_tool_calls: bool = attrs.field(default=True, validator=_flag)
+    # Extra chat-template arguments for this request (e.g. {"enable_thinking": false}
+    # where the template switches thinking), on top of the engine's.
+    chat_template_kwargs: Mapping[str, Any] | None = attrs.field(default=None)
+
+    @chat_template_kwargs.validator
+    def _template_kwargs(self, attribute, value) -> None:
+        if value is not None and not isinstance(value, Mapping):
+            _fail("chat_template_kwargs", "chat_template_kwargs must be an object")
 
     @logits_processors.validator
     def _processors(self, attribute, value) -> None:
@@ -232,6 +240,7 @@ class Event:
     error_code: str | None = None  # a machine-readable kind of error, where there is one
     usage: Usage | None = None
     tool_calls: tuple[ToolCall, ...] = ()  # calls completed with this event
+    reasoning: str = ""  # a thinking model's reasoning text (split out of ``text``)
 
     @property
     def terminal(self) -> bool:
@@ -247,3 +256,4 @@ class Result:
     logprobs: list[float] | None = None
     top_logprobs: list[tuple[TopLogprob, ...]] | None = None
     tool_calls: list[ToolCall] = attrs.field(factory=list)
+    reasoning: str = ""

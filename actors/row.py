@@ -104,6 +104,7 @@ class Row:
     # the next turn of the conversation reuse everything before it.
     snapshot_at: int | None = None
     kv_projected: int = 0  # worst-case KV bytes (prompt + max_tokens), for the budget
+    starts_thinking: bool = False  # the prompt opens a think block the answer continues
     phase: Phase = Phase.QUEUED
     cached_tokens: int = 0  # prompt tokens taken from the prompt cache
     # Generated tokens read so far, the first one included. In the continuous lane a

@@ -56,9 +56,10 @@ class RequestStream:
     async def result(self) -> Result:
         """Read the rest of the stream into a :class:`Result`; raises
         :class:`GenerationFailed` if it ends in an error event."""
-        tokens, text, logprobs, tops, calls = [], [], [], [], []
+        tokens, text, logprobs, tops, calls, reasoning = [], [], [], [], [], []
         async for event in self:
             text.append(event.text)
+            reasoning.append(event.reasoning)
             calls.extend(event.tool_calls)
             if event.token is not None:
                 tokens.append(event.token)
@@ -75,6 +76,7 @@ class RequestStream:
                     logprobs=logprobs if self.params.wants_logprobs else None,
                     top_logprobs=tops if self.params.top_logprobs else None,
                     tool_calls=calls,
+                    reasoning="".join(reasoning),
                 )
         raise GenerationFailed("the stream ended without a terminal event")
 

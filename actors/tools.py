@@ -193,6 +193,33 @@ class ToolScanner:
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"], args)
 
 
+@attrs.define
+class ReasoningScanner:
+    """Splits a thinking model's text into content and reasoning (between its think
+    markers, e.g. ``<think>`` ... ``</think>``); holds back a possible tag start."""
+
+    start: str
+    end: str
+    inside: bool = False  # the prompt may open the block (the template's doing)
+    text: str = ""
+
+    def feed(self, piece: str, *, final: bool = False) -> tuple[str, str]:
+        """(content, reasoning) that can be shown now."""
+        self.text += piece
+        content, reasoning = [], []
+        while True:
+            tag = self.end if self.inside else self.start
+            part = reasoning if self.inside else content
+            at = self.text.find(tag)
+            if at < 0:
+                keep = 0 if final else _partial(self.text, tag)
+                part.append(self.text[: len(self.text) - keep])
+                self.text = self.text[len(self.text) - keep :]
+                return "".join(content), "".join(reasoning)
+            part.append(self.text[:at])
+            self.text, self.inside = self.text[at + len(tag) :], not self.inside
+
+
 def _partial(text: str, tag: str) -> int:
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):

@@ -351,7 +351,7 @@ def _frames(event, shaper: ChunkShaper, parsed: Parsed) -> tuple[bytes, bool]:
         return _sse_data(ApiError(500, message, type=kind, code=event.error_code).body()), True
     out = b""
     chunk = shaper.chunk(event)
-    if chunk is not None and event.text:  # content first, then the calls it preceded
+    if chunk is not None and (event.text or event.reasoning):  # then the calls it preceded
         out += _sse_data(chunk)
         chunk = None
     for tool_chunk in shaper.tool_chunks(event):

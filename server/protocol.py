@@ -91,12 +91,14 @@ _LABELS = ("user", "metadata", "store", "service_tier")
 _COMMON = (
     *_SAMPLING, *_LABELS, "model", "max_completion_tokens", "n", "stream", "stream_options",
     "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+    "chat_template_kwargs",
 )  # fmt: skip
 _FIELDS = {
     "chat": frozenset((*_COMMON, "messages", "logprobs", "top_logprobs")),
     "completion": frozenset((*_COMMON, "prompt", "logprobs", "echo", "suffix", "best_of")),
 }
-_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat only; checked by the engine
+# Chat only; checked by the engine.
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
 
 
 def _check_fields(body: Mapping[str, Any], route: str) -> None:
@@ -298,6 +300,8 @@ def full_response(parsed: Parsed, model: str, result: Result, tokenizer) -> dict
         if result.logprobs is not None:
             lp = chat_logprobs(tokenizer, result.tokens, result.logprobs, result.top_logprobs)
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if result.reasoning:
+            message["reasoning_content"] = result.reasoning
         if result.tool_calls:
             message["content"] = result.text or None
             message["tool_calls"] = [tool_call_body(c) for c in result.tool_calls]
@@ -359,7 +363,7 @@ class ChunkShaper:
         """The chunk for one event, or None when it carries nothing to send."""
         chat = self.parsed.style is Style.CHAT
         finish = event.finish_reason if event.terminal and event.finish_reason.finished else None
-        if not event.text and finish is None and event.logprob is None:
+        if not event.text and not event.reasoning and finish is None and event.logprob is None:
             return None
         lp = None
         if event.token is not None and event.logprob is not None:
@@ -372,6 +376,10 @@ class ChunkShaper:
                 )
         if chat:
             delta: dict[str, Any] = {"content": event.text} if event.text or not finish else {}
+            if event.reasoning:
+                delta["reasoning_content"] = event.reasoning
+                if not event.text:
+                    delta.pop("content", None)
             if not self.sent_role:
                 delta["role"], self.sent_role = "assistant", True
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
