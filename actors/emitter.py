@@ -24,7 +24,7 @@ import trio
 from .request import Event, FinishReason, TopLogprob, Usage
 from .row import Cancel, Finish, Row
 from .stats import Count, Observe, Stats
-from .tools import ReasoningScanner, ToolScanner
+from .tools import GENERIC, ReasoningScanner, ToolScanner
 
 MAILBOX_SIZE = 4096
 
@@ -136,11 +136,10 @@ class Emitter:
         thinking = None
         if self.think is not None:
             thinking = ReasoningScanner(*self.think, inside=row.starts_thinking)
-        return _Delivery(
-            self.tokenizer.detokenizer,
-            tools=ToolScanner() if scans else None,
-            thinking=thinking,
-        )
+        tools = None
+        if scans:
+            tools = ToolScanner(row.params.tool_format or GENERIC, row.params.tools)
+        return _Delivery(self.tokenizer.detokenizer, tools=tools, thinking=thinking)
 
     @staticmethod
     def _split(d: _Delivery, text: str, *, final: bool = False) -> tuple[str, str, list]:

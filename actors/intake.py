@@ -21,7 +21,15 @@ from .loading import ModelInfo
 from .request import Lane, SamplingParams
 from .row import Row, RowTimes
 from .settings import EngineSettings
-from .tools import call_grammar, chosen, render_messages
+from .tools import (
+    GENERIC,
+    ToolFormat,
+    call_grammar,
+    chosen,
+    native_messages,
+    render_messages,
+    tool_format,
+)
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
@@ -43,9 +51,11 @@ class Intake:
         Raises :class:`InvalidRequest` for anything the engine cannot run."""
         sampling = SamplingParams.build({"max_tokens": self.settings.max_tokens, **params})
         choice = chosen(sampling.tools, sampling.tool_choice)
-        sampling = attrs.evolve(sampling, tool_choice=choice)
+        fmt = tool_format(self.tokenizer, choice)
+        sampling = attrs.evolve(sampling, tool_choice=choice, tool_format=fmt)
         extra = dict(sampling.chat_template_kwargs or {})
-        ids, boundary = self.encode(prompt, sampling.tools if choice != "none" else (), extra)
+        tools = sampling.tools if choice != "none" else ()
+        ids, boundary = self.encode(prompt, tools, extra, fmt)
         sampling = self._constrain(sampling)
         self._check_token_ids(sampling)
         self._check_context(ids, sampling)
@@ -80,7 +90,9 @@ class Intake:
         """A response format, or a required tool call, becomes a grammar mask of the
         row's own (one matcher per request), after the caller's processors."""
         schema = schema_of(params.response_format) if params.response_format else None
-        calls = call_grammar(params.tools, params.tool_choice, params.parallel_tool_calls)
+        calls = call_grammar(
+            params.tools, params.tool_choice, params.parallel_tool_calls, params.tool_format
+        )
         if schema is None and calls is None:
             return params
         param = "response_format" if schema is not None else "tool_choice"
@@ -113,7 +125,11 @@ class Intake:
         return tail.rfind(start) > tail.rfind(end)
 
     def encode(
-        self, prompt: Prompt, tools: tuple = (), template: dict | None = None
+        self,
+        prompt: Prompt,
+        tools: tuple = (),
+        template: dict | None = None,
+        fmt: ToolFormat = GENERIC,
     ) -> tuple[list[int], int | None]:
         """Token ids, and for chat messages where the last message starts (with
         ``tools``, the messages are rendered in the generic tool format first)."""
@@ -136,9 +152,7 @@ class Intake:
                 )
             return items, None
         if all(isinstance(m, Mapping) for m in items):
-            history = any(m.get("tool_calls") or m.get("role") == "tool" for m in items)
-            messages = render_messages(items, tools) if tools or history else items
-            return self._chat(messages, template or {})
+            return self._chat(*_tool_rendering(items, tools, template or {}, fmt))
         raise InvalidRequest(
             "prompt must be a string, a list of token ids, or a list of chat messages",
             param="prompt",
@@ -226,3 +240,18 @@ class Intake:
             f"+ max_tokens {params.max_tokens:,}); the KV budget is {budget:,} bytes: {hint}",
             param="max_tokens",
         )
+
+
+def _tool_rendering(
+    messages: list, tools: tuple, template: dict, fmt: ToolFormat
+) -> tuple[list, dict]:
+    """Messages and template arguments for a conversation that may hold tools: a
+    template with its own tool markup gets ``tools=``; any other gets the generic
+    format written into the messages."""
+    history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+    if fmt.native:
+        extra = {**template, "tools": list(tools)} if tools else template
+        return (native_messages(messages) if history else messages), extra
+    if tools or history:
+        return render_messages(messages, tools), template
+    return messages, template

@@ -157,6 +157,7 @@ class SamplingParams:
     tools: tuple[Mapping[str, Any], ...] = attrs.field(default=(), converter=check_tools)
     tool_choice: Any = None
     parallel_tool_calls: bool = attrs.field(default=True, validator=_flag)
+    tool_format: Any = None  # set by the intake: a tools.ToolFormat
     # Extra chat-template arguments for this request (e.g. {"enable_thinking": false}
     # where the template switches thinking), on top of the engine's.
     chat_template_kwargs: Mapping[str, Any] | None = attrs.field(default=None)

@@ -25,6 +25,62 @@ from .errors import InvalidRequest
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
+def _json_call(body: str, tools: Any = None) -> dict:
+    return json.loads(body)
+
+
+@attrs.frozen
+class ToolFormat:
+    """How calls look in the text: between ``open`` and ``close``, parsed by
+    ``parse(body, tools) -> {"name", "arguments"}``. ``native``: the chat
+    template's own (rendered with ``tools=``, parsed by mlx-lm's tool parser);
+    else the generic format. ``json``: the body is one JSON object, so a grammar
+    can constrain it."""
+
+    open: str = OPEN
+    close: str = CLOSE
+    parse: Any = attrs.field(default=_json_call, repr=False)
+    native: bool = False
+    json: bool = True
+
+
+GENERIC = ToolFormat()
+
+
+def tool_format(tokenizer: Any, choice: str | None) -> ToolFormat:
+    """The template's own format where mlx-lm knows it (its JSON ones, or any when
+    the answer is free); otherwise the generic one."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return GENERIC
+    parse = tokenizer.tool_parser
+    is_json = getattr(parse, "__module__", "").endswith(".json_tools")
+    if choice not in ("auto", "none") and not is_json:
+        return GENERIC  # a constrained call needs a JSON body
+    return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, parse, True, is_json)
+
+
+def native_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Messages for a template with its own tool markup: call arguments as objects
+    (OpenAI sends them as JSON text; templates render them with ``tojson``)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if not calls:
+            out.append(dict(m))
+            continue
+        fixed = []
+        for c in calls:
+            fn = dict(c.get("function") or {}) if isinstance(c, Mapping) else {}
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"] or "{}")
+                except json.JSONDecodeError:
+                    _fail("an assistant message's tool call arguments must be JSON", "messages")
+            fixed.append({**c, "function": fn})
+        out.append({**m, "tool_calls": fixed})
+    return out
+
+
 @attrs.frozen
 class ToolCall:
     id: str
@@ -85,9 +141,11 @@ def _schema(tool: Mapping[str, Any]) -> dict:
     }
 
 
-def call_grammar(tools: Sequence[Mapping[str, Any]], choice: str, parallel: bool) -> str | None:
+def call_grammar(
+    tools: Sequence[Mapping[str, Any]], choice: str, parallel: bool, fmt: ToolFormat = GENERIC
+) -> str | None:
     """The lark grammar a ``required`` or named choice constrains the answer to."""
-    if choice in ("auto", "none"):
+    if choice in ("auto", "none") or not fmt.json:
         return None
     pool = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
     schema = _schema(pool[0]) if len(pool) == 1 else {"anyOf": [_schema(t) for t in pool]}
@@ -150,6 +208,8 @@ def _markup(call: Any) -> str:
 class ToolScanner:
     """Splits a row's streamed text into content and tool calls (emitter-side)."""
 
+    format: ToolFormat = GENERIC
+    tools: Any = None  # the request's tools (some of mlx-lm's parsers need them)
     text: str = ""  # held back: a possible tag start, or an open call's body
     inside: bool = False
     calls: int = 0
@@ -157,23 +217,24 @@ class ToolScanner:
     def feed(self, piece: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
         self.text += piece
         shown, found = [], []
+        opening, closing = self.format.open, self.format.close
         while True:
             if not self.inside:
-                at = self.text.find(OPEN)
+                at = self.text.find(opening)
                 if at < 0:
-                    keep = 0 if final else _partial(self.text, OPEN)
+                    keep = 0 if final else _partial(self.text, opening)
                     shown.append(self.text[: len(self.text) - keep])
                     self.text = self.text[len(self.text) - keep :]
                     break
                 shown.append(self.text[:at])
-                self.text, self.inside = self.text[at + len(OPEN) :], True
-            end = self.text.find(CLOSE)
+                self.text, self.inside = self.text[at + len(opening) :], True
+            end = self.text.find(closing)
             if end < 0:
                 if final:  # an unfinished call: its text, never its markup
                     shown.append(self.text)
                     self.text, self.inside = "", False
                 break
-            body, self.text, self.inside = self.text[:end], self.text[end + len(CLOSE) :], False
+            body, self.text, self.inside = self.text[:end], self.text[end + len(closing) :], False
             call = self._parse(body)
             if call is None:
                 shown.append(body)
@@ -183,13 +244,14 @@ class ToolScanner:
 
     def _parse(self, body: str) -> ToolCall | None:
         try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
+            obj = self.format.parse(body, list(self.tools or ()))
+        except Exception:  # a parser's own error: the text stays text
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         self.calls += 1
-        args = json.dumps(obj.get("arguments", {}))
+        args = obj.get("arguments", {})
+        args = args if isinstance(args, str) else json.dumps(args)
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"], args)
 
 
