@@ -89,6 +89,16 @@ class GrammarMask:
         self._vocab = vocab_size
         self._seen: int | None = None  # context length at the last call
 
+    def done_after(self, tokens: list[int]) -> bool:
+        """Consume ``tokens``; True once the grammar is complete (it then only
+        allows EOS, which a free-text caller does not want)."""
+        for token in tokens:
+            if not self._matcher.consume_token(int(token)):
+                raise ValueError(f"constraint: {self._matcher.get_error()}")
+        if self._seen is not None:
+            self._seen += len(tokens)
+        return self._matcher.is_accepting()
+
     def __call__(self, tokens: Any, logits: Any) -> Any:
         import mlx.core as mx
         from llguidance.numpy import fill_next_token_bitmask
@@ -118,3 +128,34 @@ def compile_lark(ll_tok: Any, lark: str, param: str) -> str:
     if message:
         raise InvalidRequest(f"{param}: the schema cannot be used: {message}", param=param)
     return grammar
+
+
+class OpenedCallMask:
+    """Under ``tool_choice: auto`` the model writes freely; once its text ends with
+    the call's opening tag, the call's body is constrained to the tools' schemas
+    (and its closing tag), then the text is free again. A per-row processor like
+    :class:`GrammarMask`. The tag is seen on token boundaries (a token that runs
+    past the tag leaves that call unconstrained: it is parsed as written)."""
+
+    def __init__(self, ll_tok: Any, tokenizer: Any, body_grammar: str, opening: str, vocab: int):
+        self._ll, self._tokenizer, self._grammar = ll_tok, tokenizer, body_grammar
+        self._opening, self._vocab = opening, vocab
+        self._generated: list[int] = []
+        self._seen: int | None = None
+        self._call: GrammarMask | None = None  # the open call's mask, while one is open
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        n = int(tokens.size)
+        new = tokens[self._seen :].tolist() if self._seen is not None and n > self._seen else []
+        self._seen = n
+        self._generated.extend(int(t) for t in new)
+        if self._call is not None and self._call.done_after(new):
+            self._call = None  # the call closed: free text again
+        if self._call is None and new:
+            tail = self._tokenizer.decode(self._generated[-16:])
+            if tail.endswith(self._opening):
+                self._call = GrammarMask(self._ll, self._grammar, self._vocab)
+                return self._call(tokens, logits)
+        if self._call is None:
+            return logits
+        return self._call(tokens, logits)

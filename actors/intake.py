@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from .budget import project
-from .constrain import GrammarMask, compile_lark, compile_schema, schema_of
+from .constrain import GrammarMask, OpenedCallMask, compile_lark, compile_schema, schema_of
 from .errors import ContextOverflow, InvalidRequest
 from .loading import ModelInfo
 from .request import Lane, SamplingParams
@@ -24,6 +24,7 @@ from .settings import EngineSettings
 from .tools import (
     GENERIC,
     ToolFormat,
+    body_grammar,
     call_grammar,
     chosen,
     native_messages,
@@ -94,7 +95,7 @@ class Intake:
             params.tools, params.tool_choice, params.parallel_tool_calls, params.tool_format
         )
         if schema is None and calls is None:
-            return params
+            return self._constrain_opened_calls(params)
         param = "response_format" if schema is not None else "tool_choice"
         if schema is not None and calls is not None:
             raise InvalidRequest(
@@ -112,6 +113,20 @@ class Intake:
         else:
             grammar = compile_lark(self.ll_tokenizer, calls, "tools")
         mask = GrammarMask(self.ll_tokenizer, grammar, self.info.vocab_size)
+        return attrs.evolve(params, logits_processors=(*params.logits_processors, mask))
+
+    def _constrain_opened_calls(self, params: SamplingParams) -> SamplingParams:
+        """Under ``auto``, a call the model opens is constrained to the tools' schemas."""
+        if params.tool_choice != "auto" or self.ll_tokenizer is None or not self.info.vocab_size:
+            return params
+        fmt = params.tool_format
+        body = body_grammar(params.tools, fmt)
+        if body is None:
+            return params
+        grammar = compile_lark(self.ll_tokenizer, body, "tools")
+        mask = OpenedCallMask(
+            self.ll_tokenizer, self.tokenizer, grammar, fmt.open, self.info.vocab_size
+        )
         return attrs.evolve(params, logits_processors=(*params.logits_processors, mask))
 
     # -- the prompt ---------------------------------------------------------------

@@ -154,6 +154,16 @@ def call_grammar(
     return f'start: call{repeat}\ncall: "{OPEN}" obj "{CLOSE}"\nobj: %json {json.dumps(schema)}\n'
 
 
+def body_grammar(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat = GENERIC) -> str | None:
+    """The lark grammar of one call's body and closing tag, for ``auto`` calls
+    once opened (None where the format's body is not JSON)."""
+    if not tools or not fmt.json:
+        return None
+    schema = _schema(tools[0]) if len(tools) == 1 else {"anyOf": [_schema(t) for t in tools]}
+    schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
+    return f"start: obj {json.dumps(fmt.close)}\nobj: %json {json.dumps(schema)}\n"
+
+
 def system_text(tools: Sequence[Mapping[str, Any]]) -> str:
     lines = [
         "You can call these functions. To call one, reply with",

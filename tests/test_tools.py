@@ -174,3 +174,34 @@ async def test_a_template_with_its_own_tool_markup_uses_it_and_mlx_lms_parser(tm
     jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
     assert "<tools>" not in tokenizer.decode(ids)  # no tools asked: none listed
     assert again.finish_reason in ("stop", "length")
+
+
+class Prefix:
+    """A logits processor that makes the model write ``text`` first, then lets it go."""
+
+    def __init__(self, tokenizer, prompt_len: int, text: str):
+        self.ids = tokenizer.encode(text, add_special_tokens=False)
+        self.prompt_len = prompt_len
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        at = tokens.size - self.prompt_len
+        if at >= len(self.ids):
+            return logits
+        return mx.where(mx.arange(logits.shape[-1]) == self.ids[at], logits, -mx.inf)
+
+
+async def test_under_auto_a_call_the_model_opens_is_held_to_the_schema():
+    async with checked_engine("llama", batch=4) as engine:
+        ids = engine.intake.encode(ASK, (WEATHER,))[0]  # the prompt the row will run
+        opener = Prefix(engine.tokenizer, len(ids), "Let me check. <tool_call>")
+        result = await engine.generate(
+            ASK, tools=[WEATHER], max_tokens=200, logits_processors=[opener]
+        )
+        free = await engine.generate(ASK, tools=[WEATHER], max_tokens=30)
+    assert result.text.startswith("Let me check. ")
+    (call,) = result.tool_calls
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    assert "<tool_call>" not in free.text  # a noise model's free text: no markup leaks
