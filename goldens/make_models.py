@@ -36,6 +36,25 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# qwen3's template carries tool markup of its own, Qwen/Hermes style (mlx-lm reads
+# it as json_tools): the native tool path is tested without a download. Without
+# tools it renders exactly as CHAT_TEMPLATE does, so the chat goldens are the same.
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n"
+    "{{ tool | tojson }}{% endfor %}\n</tools>\nCall a function as <tool_call>\n"
+    '{"name": <name>, "arguments": <json>}\n</tool_call><|im_end|>\n{% endif %}'
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{%- for tool_call in message.tool_calls %}{%- set tool_call = tool_call.function %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
+    "{{ tool_call.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEMPLATES = {"qwen3": TOOL_CHAT_TEMPLATE}
+
 _COMMON = {"vocab_size": VOCAB, "tie_word_embeddings": True, "eos_token_id": 258}
 
 # Sizes keep each file well under 1 MB. The weight scale in `_weights` (3/sqrt(fan_in))
@@ -178,7 +197,7 @@ def tokenizer_json() -> dict:
     }
 
 
-def tokenizer_config() -> dict:
+def tokenizer_config(name: str = "llama") -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
@@ -187,7 +206,7 @@ def tokenizer_config() -> dict:
         "unk_token": None,
         "model_max_length": 4096,
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": TEMPLATES.get(name, CHAT_TEMPLATE),
     }
 
 
@@ -213,10 +232,10 @@ def _weights(model, seed: int) -> dict[str, mx.array]:
     return out
 
 
-def write_tokenizer(path: Path) -> None:
+def write_tokenizer(path: Path, name: str = "llama") -> None:
     (path / "tokenizer.json").write_text(json.dumps(tokenizer_json(), indent=1, sort_keys=True))
     (path / "tokenizer_config.json").write_text(
-        json.dumps(tokenizer_config(), indent=1, sort_keys=True)
+        json.dumps(tokenizer_config(name), indent=1, sort_keys=True)
     )
 
 
@@ -231,7 +250,7 @@ def build(name: str, out_root: Path = MODELS, path: Path | None = None) -> Path:
     seed = sum(name.encode()) + 7
     mx.save_safetensors(str(path / "model.safetensors"), _weights(model, seed), {"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
-    write_tokenizer(path)
+    write_tokenizer(path, name)
     return path
 
 

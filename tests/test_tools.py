@@ -126,36 +126,11 @@ async def test_the_embedding_api_runs_an_agent_step_without_http():
     assert call.name == "get_weather" and "city" in json.loads(call.arguments)
 
 
-# A Qwen-style template with its own tool markup: mlx-lm recognizes it (json_tools).
-NATIVE_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n"
-    "{{ tool | tojson }}{% endfor %}\n</tools>\nCall a function as <tool_call>\n"
-    '{"name": <name>, "arguments": <json>}\n</tool_call><|im_end|>\n{% endif %}'
-    "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
-    "{%- for tool_call in message.tool_calls %}{%- set tool_call = tool_call.function %}"
-    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
-    "{{ tool_call.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
-    "{{ message.content }}\n</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+async def test_a_template_with_its_own_tool_markup_uses_it_and_mlx_lms_parser():
+    """The golden qwen3's template carries Qwen-style tool markup (mlx-lm: json_tools)."""
+    from conftest import loaded
 
-
-async def test_a_template_with_its_own_tool_markup_uses_it_and_mlx_lms_parser(tmp_path):
-    import shutil
-
-    from conftest import model_path
-    from mlx_lm import load
-
-    native = tmp_path / "llama-tools"
-    shutil.copytree(model_path("llama"), native)
-    config = json.loads((native / "tokenizer_config.json").read_text())
-    (native / "tokenizer_config.json").write_text(
-        json.dumps({**config, "chat_template": NATIVE_TEMPLATE})
-    )
-    model, tokenizer = load(str(native))
+    model, tokenizer = loaded("qwen3")
     assert tokenizer.has_tool_calling and tokenizer.tool_call_start == "<tool_call>"
     rendered = tokenizer.decode(tokenizer.apply_chat_template(ASK, tools=[WEATHER]))
     assert "<tools>" in rendered and "get_weather" in rendered  # the template's own listing
