@@ -80,6 +80,8 @@ def compile_schema(ll_tok: Any, schema: Mapping[str, Any]) -> str:
 class GrammarMask:
     """Per-row logits processor holding one llguidance matcher."""
 
+    reads_tokens = True  # it reads the tokens as numbers: the batch starts its forward first
+
     def __init__(self, ll_tok: Any, grammar: str, vocab_size: int):
         from llguidance import LLMatcher
         from llguidance.numpy import allocate_token_bitmask
@@ -136,6 +138,8 @@ class OpenedCallMask:
     (and its closing tag), then the text is free again. A per-row processor like
     :class:`GrammarMask`. The tag is seen on token boundaries (a token that runs
     past the tag leaves that call unconstrained: it is parsed as written)."""
+
+    reads_tokens = True
 
     def __init__(self, ll_tok: Any, tokenizer: Any, body_grammar: str, opening: str, vocab: int):
         self._ll, self._tokenizer, self._grammar = ll_tok, tokenizer, body_grammar

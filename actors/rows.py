@@ -194,6 +194,10 @@ class Batch:
         inputs = self.next_tokens
         logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
         contexts = []
+        if any(getattr(p, "reads_tokens", False) for s in self.slots for p in s.processors):
+            # A grammar mask needs this step's input tokens as numbers: start the
+            # forward now, so its mask work overlaps the forward instead of delaying it.
+            mx.async_eval(logits)
         if any(s.processors for s in self.slots):
             rows = []
             for e, slot in enumerate(self.slots):
