@@ -85,10 +85,15 @@ async def test_required_calls_on_a_noise_model_always_match_twenty_seeded_schema
                 schema = random_schema(rng)
                 tool = {"type": "function", "function": {"name": f"tool_{i}",
                                                          "parameters": schema}}  # fmt: skip
+                # Even: `required` with this one tool; odd: it named, beside another.
+                tools = [tool] if i % 2 == 0 else [tool, CLOCK]
+                choice = (
+                    "required"
+                    if i % 2 == 0
+                    else {"type": "function", "function": {"name": f"tool_{i}"}}
+                )
                 reply = await client.chat.completions.create(
-                    model="llama", messages=ASK, tools=[tool, CLOCK],
-                    tool_choice={"type": "function", "function": {"name": f"tool_{i}"}},
-                    max_tokens=300,
+                    model="llama", messages=ASK, tools=tools, tool_choice=choice, max_tokens=300
                 )  # fmt: skip
                 choice = reply.choices[0]
                 assert choice.finish_reason == "tool_calls", (i, choice.message)
