@@ -85,21 +85,22 @@ async def test_required_calls_on_a_noise_model_always_match_twenty_seeded_schema
                 schema = random_schema(rng)
                 tool = {"type": "function", "function": {"name": f"tool_{i}",
                                                          "parameters": schema}}  # fmt: skip
-                # Even: `required` with this one tool; odd: it named, beside another.
-                tools = [tool] if i % 2 == 0 else [tool, CLOCK]
-                choice = (
-                    "required"
-                    if i % 2 == 0
-                    else {"type": "function", "function": {"name": f"tool_{i}"}}
-                )
-                reply = await client.chat.completions.create(
-                    model="llama", messages=ASK, tools=tools, tool_choice=choice, max_tokens=300
-                )  # fmt: skip
-                choice = reply.choices[0]
-                assert choice.finish_reason == "tool_calls", (i, choice.message)
-                (call,) = choice.message.tool_calls
-                assert call.function.name == f"tool_{i}"
-                jsonschema.validate(json.loads(call.function.arguments), schema)
+                # `required` with this one tool, then (odd ones) it named beside another.
+                choices = [([tool], "required")]
+                if i % 2:
+                    named = {"type": "function", "function": {"name": f"tool_{i}"}}
+                    choices.append(([tool, CLOCK], named))
+                for tools, choice in choices:
+                    reply = await client.chat.completions.create(
+                        model="llama", messages=ASK, tools=tools, tool_choice=choice,
+                        max_tokens=300,
+                    )  # fmt: skip
+                    choice_ = reply.choices[0]
+                    assert choice_.finish_reason == "tool_calls", (i, choice_.message)
+                    assert choice_.message.tool_calls  # parallel calls allowed: each valid
+                    for call in choice_.message.tool_calls:
+                        assert call.function.name == f"tool_{i}"
+                        jsonschema.validate(json.loads(call.function.arguments), schema)
             await client.close()
 
 
