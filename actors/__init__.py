@@ -17,6 +17,7 @@ from .request import Event, FinishReason, Lane, Result, SamplingParams, TopLogpr
 from .settings import EngineSettings
 from .stats import HistogramSnapshot, StatsSnapshot
 from .stream import RequestStream
+from .tools import ToolCall
 
 __all__ = [
     "ContextOverflow",
@@ -36,6 +37,7 @@ __all__ = [
     "Result",
     "SamplingParams",
     "StatsSnapshot",
+    "ToolCall",
     "TopLogprob",
     "Usage",
     "open_engine",

@@ -1,6 +1,9 @@
-"""Tool calls in the generic format, for every model.
+"""Tool calls: the chat template's own format where mlx-lm knows it, else a generic one.
 
-The request's tools are described in the system prompt and the model is asked to
+A template with its own tool markup (mlx-lm's ``tokenizer.has_tool_calling``) is
+rendered with ``tools=`` and its calls parsed by mlx-lm's tool parser
+(:func:`tool_format`). For every other model, the generic format: the
+request's tools are described in the system prompt and the model is asked to
 call one as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the
 Hermes convention). Earlier calls and tool results in the conversation are
 rendered the same way, so any chat template can carry them. ``tool_choice``
