@@ -71,6 +71,7 @@ class _Delivery:
     halted: Halt | None = None  # set once the owner has been asked to end the row
     tools: ToolScanner | None = None  # lifts tool calls out of the text (rows with tools)
     thinking: ReasoningScanner | None = None  # splits a thinking model's reasoning out
+    stop_sequence: str | None = None  # the stop string that ended the row
     fault: str | None = None  # what went wrong in this row's delivery
 
 
@@ -171,7 +172,12 @@ class Emitter:
             d.first_token_at = now
             self.stats.post(Observe("time_to_first_token", now - row.times.submitted))
         d.detokenizer.add_token(item.token)
-        shown, d.held, stopped = _split_stop(d.held + d.detokenizer.last_segment, row.params.stop)
+        text = d.held + d.detokenizer.last_segment
+        shown, d.held, stopped = _split_stop(text, row.params.stop)
+        if stopped:
+            d.stop_sequence = min(
+                (s for s in row.params.stop if s in text), key=lambda s: (text.find(s), -len(s))
+            )
         shown, reasoning, calls = self._split(d, shown)
         event = Event(
             item.token, shown, item.logprob, item.top_logprobs,
@@ -228,6 +234,7 @@ class Emitter:
         event = Event(
             None, text, finish_reason=reason, error=detail, error_code=row.end.code, usage=usage,
             tool_calls=tuple(calls), reasoning=reasoning,
+            stop_sequence=d.stop_sequence if reason is FinishReason.STOP else None,
         )  # fmt: skip
         self._deliver(row, event)
         row.events.close()

@@ -90,9 +90,9 @@ class Engine:
         """The served model's public name (a file or directory stem, never a path)."""
         return self.info.id
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """The token ids ``submit`` would run for ``prompt``."""
-        return self.intake.encode(prompt)[0]
+    def encode(self, prompt: Prompt, **params: Any) -> list[int]:
+        """The token ids ``submit`` would run for ``prompt`` (tools rendered in)."""
+        return self.intake.prompt(prompt, params)[1]
 
     def project(self, tokens: int) -> int:
         """Worst-case KV bytes of one row holding ``tokens`` tokens (the budget's unit)."""

@@ -50,13 +50,7 @@ class Intake:
         """A QUEUED row for this request, and the receive end of its event channel
         (sized for every token plus the terminal event: delivery never blocks).
         Raises :class:`InvalidRequest` for anything the engine cannot run."""
-        sampling = SamplingParams.build({"max_tokens": self.settings.max_tokens, **params})
-        choice = chosen(sampling.tools, sampling.tool_choice)
-        fmt = tool_format(self.tokenizer, choice)
-        sampling = attrs.evolve(sampling, tool_choice=choice, tool_format=fmt)
-        extra = dict(sampling.chat_template_kwargs or {})
-        tools = sampling.tools if choice != "none" else ()
-        ids, boundary = self.encode(prompt, tools, extra, fmt)
+        sampling, ids, boundary = self.prompt(prompt, params)
         sampling = self._constrain(sampling)
         self._check_token_ids(sampling)
         self._check_context(ids, sampling)
@@ -76,6 +70,20 @@ class Intake:
             starts_thinking=self._opens_thinking(ids),
         )
         return row, receive
+
+    def prompt(
+        self, prompt: Prompt, params: Mapping[str, Any]
+    ) -> tuple[SamplingParams, list[int], int | None]:
+        """The request's parameters (tool choice settled) and its prompt's token ids,
+        tools rendered in; and where its last chat message starts."""
+        sampling = SamplingParams.build({"max_tokens": self.settings.max_tokens, **params})
+        choice = chosen(sampling.tools, sampling.tool_choice)
+        fmt = tool_format(self.tokenizer, choice)
+        sampling = attrs.evolve(sampling, tool_choice=choice, tool_format=fmt)
+        extra = dict(sampling.chat_template_kwargs or {})
+        tools = sampling.tools if choice != "none" else ()
+        ids, boundary = self.encode(prompt, tools, extra, fmt)
+        return sampling, ids, boundary
 
     def place(self, params: SamplingParams) -> Lane:
         """Serial when batching is off or impossible, or a seed asks for reproducibility."""

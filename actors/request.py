@@ -242,6 +242,7 @@ class Event:
     usage: Usage | None = None
     tool_calls: tuple[ToolCall, ...] = ()  # calls completed with this event
     reasoning: str = ""  # a thinking model's reasoning text (split out of ``text``)
+    stop_sequence: str | None = None  # on the terminal event: the stop string that ended it
 
     @property
     def terminal(self) -> bool:
@@ -258,3 +259,4 @@ class Result:
     top_logprobs: list[tuple[TopLogprob, ...]] | None = None
     tool_calls: list[ToolCall] = attrs.field(factory=list)
     reasoning: str = ""
+    stop_sequence: str | None = None

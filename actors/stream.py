@@ -77,6 +77,7 @@ class RequestStream:
                     top_logprobs=tops if self.params.top_logprobs else None,
                     tool_calls=calls,
                     reasoning="".join(reasoning),
+                    stop_sequence=event.stop_sequence,
                 )
         raise GenerationFailed("the stream ended without a terminal event")
 

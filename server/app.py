@@ -31,6 +31,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from . import anthropic
 from .metrics import prometheus, stats_json
 from .models import short_id
 from .protocol import (
@@ -144,7 +145,10 @@ class ServerState:
 
 
 def _error(err: ApiError) -> Response:
-    response = Response(json.dumps(err.body()), status=err.status, content_type="application/json")
+    body, status = err.body(), err.status
+    if request.path.startswith("/v1/messages"):  # Anthropic's shape and codes there
+        body, status = anthropic.error_body(err)
+    response = Response(json.dumps(body), status=status, content_type="application/json")
     if err.retry_after is not None:
         response.headers["Retry-After"] = str(err.retry_after)
     return response
@@ -185,6 +189,60 @@ class Routes:
 
     async def completions(self) -> Response:
         return await self._complete(parse_completion)
+
+    async def messages(self) -> Response:
+        """Anthropic Messages: the same engine path, Anthropic's shapes."""
+        engine = self.state.engine_or_503()
+        body = await _body_json(self.settings.body_timeout)
+        parsed = anthropic.parse_messages(body, self.settings.defaults)
+        self._check_model(parsed)
+        stream = await self._start(engine, parsed)
+        if parsed.stream:
+            shaper = anthropic.StreamShaper(self.state.model_id, len(engine.encode(
+                parsed.prompt, **_prompt_params(parsed.params))))  # fmt: skip
+            return _event_stream(_anthropic_sse(stream, shaper))
+        result = await self._result(stream)
+        return _json(anthropic.message_body(result, self.state.model_id))
+
+    async def count_tokens(self) -> Response:
+        engine = self.state.engine_or_503()
+        body = await _body_json(self.settings.body_timeout)
+        if isinstance(body, dict):
+            body = {"max_tokens": 1, **body}
+        parsed = anthropic.parse_messages(body, self.settings.defaults)
+        try:
+            ids = engine.encode(parsed.prompt, **_prompt_params(parsed.params))
+        except InvalidRequest as exc:
+            raise bad(str(exc), parsed.field(exc.param)) from None
+        return _json(anthropic.count_body(len(ids)))
+
+    async def _start(self, engine: Engine, parsed: Parsed) -> Any:
+        """Submit and queue the request: a bad one is a 400, a full queue a 429,
+        both before any byte of a stream."""
+        try:
+            stream = engine.submit(parsed.prompt, **parsed.params)
+            await stream.start()
+        except InvalidRequest as exc:
+            raise bad(str(exc), parsed.field(exc.param)) from None
+        except Overloaded as exc:
+            raise ApiError(
+                429, str(exc), type="rate_limit_error", code="queue_full",
+                retry_after=math.ceil(exc.retry_after),
+            ) from None  # fmt: skip
+        return stream
+
+    async def _result(self, stream: Any) -> Any:
+        try:
+            async with stream:
+                result = await stream.result()
+        except GenerationFailed as exc:
+            if exc.code == "queue_timeout":
+                raise ApiError(503, str(exc), type="service_unavailable", code=exc.code) from None
+            raise ApiError(500, str(exc), type="server_error", code=exc.code) from None
+        if result.finish_reason is FinishReason.CANCELLED:
+            message = "the request was cancelled: the server is shutting down"
+            raise ApiError(503, message, type="service_unavailable")
+        return result
 
     async def models(self) -> Response:
         card = {
@@ -227,35 +285,11 @@ class Routes:
         engine = self.state.engine_or_503()
         parsed = parser(await _body_json(self.settings.body_timeout), self.settings.defaults)
         self._check_model(parsed)
-        try:
-            stream = engine.submit(parsed.prompt, **parsed.params)
-            await stream.start()  # queued now: a full queue answers 429 before any byte
-        except InvalidRequest as exc:
-            raise bad(str(exc), parsed.field(exc.param)) from None
-        except Overloaded as exc:
-            raise ApiError(
-                429, str(exc), type="rate_limit_error", code="queue_full",
-                retry_after=math.ceil(exc.retry_after),
-            ) from None  # fmt: skip
+        stream = await self._start(engine, parsed)
         if parsed.stream:
             shaper = ChunkShaper(parsed, self.state.model_id, engine.tokenizer)
-            response = Response(
-                _sse(stream, shaper, parsed),
-                content_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-            response.timeout = None
-            return response
-        try:
-            async with stream:
-                result = await stream.result()
-        except GenerationFailed as exc:
-            if exc.code == "queue_timeout":
-                raise ApiError(503, str(exc), type="service_unavailable", code=exc.code) from None
-            raise ApiError(500, str(exc), type="server_error", code=exc.code) from None
-        if result.finish_reason is FinishReason.CANCELLED:
-            message = "the request was cancelled: the server is shutting down"
-            raise ApiError(503, message, type="service_unavailable")
+            return _event_stream(_sse(stream, shaper, parsed))
+        result = await self._result(stream)
         return _json(full_response(parsed, self.state.model_id, result, engine.tokenizer))
 
     def authorize(self) -> None:
@@ -319,6 +353,8 @@ def create_app(settings: Settings) -> QuartTrio:
     app.register_error_handler(HTTPException, _async(routes.http_error))
     app.add_url_rule("/v1/chat/completions", view_func=routes.chat_completions, methods=["POST"])
     app.add_url_rule("/v1/completions", view_func=routes.completions, methods=["POST"])
+    app.add_url_rule("/v1/messages", view_func=routes.messages, methods=["POST"])
+    app.add_url_rule("/v1/messages/count_tokens", view_func=routes.count_tokens, methods=["POST"])
     for path, view in (
         ("/v1/models", routes.models),
         ("/health", routes.health),
@@ -337,6 +373,50 @@ def _async(fn: Callable[..., Any]) -> Callable:
 
     hook.__name__ = fn.__name__
     return hook
+
+
+def _event_stream(body: Any) -> Response:
+    response = Response(
+        body,
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+    response.timeout = None
+    return response
+
+
+def _prompt_params(params: dict) -> dict:
+    """The parameters that shape the prompt (tools, template arguments)."""
+    keys = ("tools", "tool_choice", "chat_template_kwargs")
+    return {k: v for k, v in params.items() if k in keys}
+
+
+PING_SECONDS = 5.0  # a ping while the first token is not there yet (a long prefill)
+
+
+async def _anthropic_sse(stream, shaper: anthropic.StreamShaper):
+    """Anthropic's event sequence for one request; an error ends it with an error event."""
+    try:
+        async with stream:
+            yield shaper.start()
+            while True:
+                event = None
+                with trio.move_on_after(PING_SECONDS):
+                    event = await stream.__anext__()
+                if event is None:
+                    yield anthropic.sse("ping", {"type": "ping"})
+                    continue
+                if event.terminal and not event.finish_reason.finished:
+                    err = ApiError(500, event.error or "the request was cancelled")
+                    yield anthropic.sse("error", anthropic.error_body(err)[0])
+                    return
+                yield shaper.event(event)
+                if event.terminal:
+                    return
+    except StopAsyncIteration:
+        return
+    except trio.Cancelled:
+        raise  # the client went away: leaving `async with stream` cancelled the row
 
 
 def _sse_data(body: Any) -> bytes:

@@ -1,0 +1,285 @@
+"""Anthropic Messages (``POST /v1/messages``): translation only, no I/O.
+
+Request in: ``system``, content blocks (``text``, ``tool_use``, ``tool_result``;
+``image`` refused), ``tools`` / ``tool_choice``, ``stop_sequences``,
+``max_tokens``, sampling fields (older clients still send them in the body),
+``output_config.format`` (a JSON schema, through the constrained decoding) and
+``thinking``; out: the engine's chat messages and parameters, the same ones the
+OpenAI routes produce. Engine results and events in: Anthropic's message and its
+stream events out. ``cache_control`` blocks are accepted: the prompt cache keeps
+prefixes by itself, so they are a hint with nothing to add.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from mlx_nursery.actors import Event, FinishReason, Result, Usage
+
+from .protocol import ApiError, Defaults, Parsed, Style, bad
+
+_FIELDS = frozenset((
+    "model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
+    "stop_sequences", "stream", "tools", "tool_choice", "metadata", "thinking",
+    "output_config", "service_tier",
+))  # fmt: skip
+
+STOP_REASONS = {
+    FinishReason.STOP: "end_turn",
+    FinishReason.LENGTH: "max_tokens",
+    FinishReason.TOOL_CALLS: "tool_use",
+}
+
+# Anthropic's error type and status for each of ours (429, a full queue, is its 529).
+_ERRORS = {
+    400: ("invalid_request_error", 400),
+    401: ("authentication_error", 401),
+    404: ("not_found_error", 404),
+    408: ("timeout_error", 408),
+    413: ("request_too_large", 413),
+    429: ("overloaded_error", 529),
+    503: ("overloaded_error", 529),
+}
+
+
+def error_body(err: ApiError) -> tuple[dict, int]:
+    kind, status = _ERRORS.get(err.status, ("api_error", 500 if err.status >= 500 else 400))
+    return {"type": "error", "error": {"type": kind, "message": err.message}}, status
+
+
+def _text(blocks: Any, where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise bad(f"{where} must be a string or a list of text blocks", "messages")
+    out = []
+    for block in blocks:
+        if not isinstance(block, Mapping) or block.get("type") != "text":
+            raise bad(f"{where}: only text blocks are allowed here", "messages")
+        out.append(str(block.get("text", "")))
+    return "".join(out)
+
+
+def _message(i: int, m: Any) -> list[dict]:
+    """One Anthropic message as the engine's chat messages."""
+    if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
+        raise bad(f"messages[{i}] needs role 'user' or 'assistant'", "messages")
+    content = m.get("content")
+    if isinstance(content, str):
+        return [{"role": m["role"], "content": content}]
+    if not isinstance(content, list):
+        raise bad(f"messages[{i}].content must be a string or a list of blocks", "messages")
+    text, calls, results = [], [], []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        where = f"messages[{i}].content[{j}]"
+        if kind == "text":
+            text.append(str(block.get("text", "")))
+        elif kind == "tool_use" and m["role"] == "assistant":
+            args = json.dumps(block.get("input") or {})
+            calls.append({"id": block.get("id"), "type": "function",
+                          "function": {"name": block.get("name"), "arguments": args}})  # fmt: skip
+        elif kind == "tool_result" and m["role"] == "user":
+            body = _text(block.get("content", ""), where)
+            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                            "content": body})  # fmt: skip
+        elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+            continue  # earlier reasoning is not fed back
+        elif kind in ("image", "document"):
+            raise bad(
+                f"{where}: {kind} blocks are not supported: this server reads text", "messages"
+            )
+        else:
+            raise bad(f"{where}: block type {kind!r} is not supported here", "messages")
+    out = [*results]
+    if calls:
+        out.append({"role": "assistant", "content": "".join(text), "tool_calls": calls})
+    elif text or not results:
+        out.append({"role": m["role"], "content": "".join(text)})
+    return out
+
+
+def _tools(body: Mapping[str, Any], params: dict) -> None:
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("'tools' must be a list", "tools")
+        converted = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):
+                raise bad(f"tools[{i}] needs a 'name' (only custom tools are supported)", "tools")
+            converted.append({"type": "function", "function": {
+                "name": t["name"], "description": t.get("description", ""),
+                "parameters": t.get("input_schema") or {"type": "object"}}})  # fmt: skip
+        params["tools"] = converted
+    choice = body.get("tool_choice")
+    if choice is None:
+        return
+    kind = choice.get("type") if isinstance(choice, Mapping) else None
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        mapped = {"type": "function", "function": {"name": choice.get("name")}}
+    if mapped is None:
+        raise bad("tool_choice.type must be auto, any, tool or none", "tool_choice")
+    params["tool_choice"] = mapped
+    if choice.get("disable_parallel_tool_use"):
+        params["parallel_tool_calls"] = False
+
+
+def parse_messages(body: Any, defaults: Defaults) -> Parsed:
+    if not isinstance(body, Mapping):
+        raise bad("the request body must be a JSON object")
+    for name in body:
+        if name not in _FIELDS:
+            raise bad(f"unknown field {name!r}: /v1/messages does not take it", name)
+    if body.get("max_tokens") is None:
+        raise bad("'max_tokens' is required", "max_tokens")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    chat = [x for i, m in enumerate(messages) for x in _message(i, m)]
+    if body.get("system") is not None:
+        chat.insert(0, {"role": "system", "content": _text(body["system"], "system")})
+    params: dict[str, Any] = {"max_tokens": body["max_tokens"]}
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                         ("stop", "stop_sequences")):  # fmt: skip
+        if body.get(theirs) is not None:
+            params[ours] = body[theirs]
+    params.setdefault("temperature", defaults.temperature)
+    _tools(body, params)
+    fmt = (body.get("output_config") or {}).get("format")
+    if fmt is not None:
+        if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
+            raise bad("output_config.format must be {type: json_schema, schema}", "output_config")
+        params["response_format"] = {"type": "json_schema",
+                                     "json_schema": {"schema": fmt.get("schema")}}  # fmt: skip
+    thinking = body.get("thinking")
+    if isinstance(thinking, Mapping) and thinking.get("type") in ("enabled", "disabled"):
+        params["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean", "stream")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", "model")
+    fields = {"stop": "stop_sequences", "response_format": "output_config"}
+    return Parsed(chat, params, bool(stream), False, model, Style.CHAT, fields)
+
+
+def new_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def usage_body(usage: Usage | None, *, output: bool = True) -> dict:
+    if usage is None:
+        return {"input_tokens": 0, "output_tokens": 0}
+    out = {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+    if output:
+        out["output_tokens"] = usage.completion_tokens
+    return out
+
+
+def message_body(result: Result, model: str) -> dict:
+    content: list[dict] = []
+    if result.reasoning:
+        content.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
+    if result.text:
+        content.append({"type": "text", "text": result.text})
+    for call in result.tool_calls:
+        content.append({"type": "tool_use", "id": call.id.replace("call_", "toolu_"),
+                        "name": call.name, "input": json.loads(call.arguments)})  # fmt: skip
+    return {
+        "id": new_id(),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": _stop_reason(result.finish_reason, result.stop_sequence),
+        "stop_sequence": result.stop_sequence,
+        "usage": usage_body(result.usage),
+    }
+
+
+def _stop_reason(reason: FinishReason, stop_sequence: str | None) -> str:
+    if reason is FinishReason.STOP and stop_sequence is not None:
+        return "stop_sequence"
+    return STOP_REASONS.get(reason, "end_turn")
+
+
+def sse(kind: str, body: dict) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
+
+
+@attrs.define
+class StreamShaper:
+    """One message's stream: content blocks opened and closed as the kind of text
+    changes (thinking, text, tool_use), then message_delta and message_stop."""
+
+    model: str
+    prompt_tokens: int
+    id: str = attrs.field(factory=new_id)
+    index: int = -1
+    open_kind: str | None = None
+
+    def start(self) -> bytes:
+        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}  # fmt: skip
+        return sse("message_start", {"type": "message_start", "message": message})
+
+    def _block(self, kind: str, block: dict) -> bytes:
+        out = self._close()
+        self.index += 1
+        self.open_kind = kind
+        return out + sse(
+            "content_block_start",
+            {"type": "content_block_start", "index": self.index, "content_block": block},
+        )
+
+    def _close(self) -> bytes:
+        if self.open_kind is None:
+            return b""
+        self.open_kind = None
+        return sse("content_block_stop", {"type": "content_block_stop", "index": self.index})
+
+    def _delta(self, delta: dict) -> bytes:
+        return sse("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                           "delta": delta})  # fmt: skip
+
+    def event(self, event: Event) -> bytes:
+        out = b""
+        if event.reasoning:
+            if self.open_kind != "thinking":
+                out += self._block("thinking", {"type": "thinking", "thinking": "",
+                                                "signature": ""})  # fmt: skip
+            out += self._delta({"type": "thinking_delta", "thinking": event.reasoning})
+        if event.text:
+            if self.open_kind != "text":
+                out += self._block("text", {"type": "text", "text": ""})
+            out += self._delta({"type": "text_delta", "text": event.text})
+        for call in event.tool_calls:
+            tool_id = call.id.replace("call_", "toolu_")
+            out += self._block("tool_use", {"type": "tool_use", "id": tool_id, "name": call.name,
+                                            "input": {}})  # fmt: skip
+            out += self._delta({"type": "input_json_delta", "partial_json": call.arguments})
+            out += self._close()
+        if event.terminal:
+            out += self._close()
+            delta = {"stop_reason": _stop_reason(event.finish_reason, event.stop_sequence),
+                     "stop_sequence": event.stop_sequence}  # fmt: skip
+            usage = {"output_tokens": event.usage.completion_tokens if event.usage else 0}
+            out += sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
+            out += sse("message_stop", {"type": "message_stop"})
+        return out
+
+
+def count_body(tokens: int) -> dict:
+    return {"input_tokens": tokens}
