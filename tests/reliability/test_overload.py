@@ -52,7 +52,7 @@ async def test_sixty_four_clients_against_a_queue_of_eight_get_only_429s_and_ans
             async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
 
                 async def agent(i):
-                    for n in range(REQUESTS_EACH):  # back to back: an agent loop
+                    for n in range(REQUESTS_EACH):  # an agent loop, honouring Retry-After
                         case = CASES[(i + n) % len(CASES)]
                         body = {"prompt": case["prompt_ids"], "max_tokens": 40}
                         r = await client.post("/v1/completions", json=body)
@@ -60,6 +60,7 @@ async def test_sixty_four_clients_against_a_queue_of_eight_get_only_429s_and_ans
                         if r.status_code == 429:
                             retry_afters.append(r.headers.get("Retry-After"))
                             assert r.json()["error"]["code"] == "queue_full"
+                            await trio.sleep(int(retry_afters[-1]))  # as a client should
                         else:
                             assert r.json()["choices"][0]["text"] == case["text"]
 
