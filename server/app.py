@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from . import anthropic
+from . import anthropic, responses
 from .metrics import prometheus, stats_json
 from .models import short_id
 from .protocol import (
@@ -204,6 +205,21 @@ class Routes:
         result = await self._result(stream)
         return _json(anthropic.message_body(result, self.state.model_id))
 
+    async def responses(self) -> Response:
+        """OpenAI Responses: the same engine path, the Response object and its events."""
+        engine = self.state.engine_or_503()
+        body = await _body_json(self.settings.body_timeout)
+        parsed = responses.parse_responses(body, self.settings.defaults)
+        self._check_model(parsed)
+        stream = await self._start(engine, parsed)
+        if parsed.stream:
+            shaper = responses.StreamShaper(self.state.model_id, parsed)
+            return _event_stream(_responses_sse(stream, shaper))
+        result = await self._result(stream)
+        rid = f"resp_{uuid.uuid4().hex[:24]}"
+        output = responses.full_output(result)
+        return _json(responses.response_body(rid, self.state.model_id, parsed, output, result))
+
     async def count_tokens(self) -> Response:
         engine = self.state.engine_or_503()
         body = await _body_json(self.settings.body_timeout)
@@ -354,6 +370,7 @@ def create_app(settings: Settings) -> QuartTrio:
     app.add_url_rule("/v1/chat/completions", view_func=routes.chat_completions, methods=["POST"])
     app.add_url_rule("/v1/completions", view_func=routes.completions, methods=["POST"])
     app.add_url_rule("/v1/messages", view_func=routes.messages, methods=["POST"])
+    app.add_url_rule("/v1/responses", view_func=routes.responses, methods=["POST"])
     app.add_url_rule("/v1/messages/count_tokens", view_func=routes.count_tokens, methods=["POST"])
     for path, view in (
         ("/v1/models", routes.models),
@@ -415,6 +432,22 @@ async def _anthropic_sse(stream, shaper: anthropic.StreamShaper):
                     return
     except StopAsyncIteration:
         return
+    except trio.Cancelled:
+        raise  # the client went away: leaving `async with stream` cancelled the row
+
+
+async def _responses_sse(stream, shaper: responses.StreamShaper):
+    """The Responses event sequence; an error ends it with an ``error`` event."""
+    try:
+        async with stream:
+            yield shaper.start()
+            async for event in stream:
+                if event.terminal and not event.finish_reason.finished:
+                    yield shaper.error(event.error or "the request was cancelled")
+                    return
+                yield shaper.event(event)
+                if event.terminal:
+                    return
     except trio.Cancelled:
         raise  # the client went away: leaving `async with stream` cancelled the row
 

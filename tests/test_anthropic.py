@@ -131,3 +131,25 @@ async def test_eight_agents_sharing_a_long_system_prompt_read_it_from_the_cache(
     assert (usages[1].cache_read_input_tokens or 0) == 0
     for i in range(2, 9):
         assert usages[i].cache_read_input_tokens >= 1000, (i, usages[i])
+
+
+async def test_overload_and_a_failed_generation_are_the_sdks_exceptions_too():
+    from conftest import FaultyModel, loaded
+
+    with trio.fail_after(60):
+        async with running_server(max_queued_requests=0) as (url, _):
+            client = anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0)
+            with pytest.raises(anthropic.APIStatusError) as err:  # OverloadedError where defined
+                await client.messages.create(model="llama", max_tokens=8, messages=ASK)
+            assert err.value.status_code == 529
+            assert err.value.body["error"]["type"] == "overloaded_error"
+            await client.close()
+        model, tokenizer = loaded("llama")
+        faulty = FaultyModel(model)
+        async with running_server(model=(faulty, tokenizer)) as (url, _):
+            client = anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0)
+            faulty.fail_prefill = True
+            with pytest.raises(anthropic.InternalServerError) as err:
+                await client.messages.create(model="model", max_tokens=8, messages=ASK)
+            assert err.value.body["error"]["type"] == "api_error"
+            await client.close()

@@ -1,0 +1,293 @@
+"""OpenAI Responses (``POST /v1/responses``): translation only, no I/O.
+
+Request in: ``input`` (a string, or items: messages, ``function_call``,
+``function_call_output``), ``instructions``, function ``tools`` (other tool types
+are refused by name), ``tool_choice``, ``max_output_tokens``, ``temperature``,
+``top_p``, ``text.format`` (a JSON schema through the constrained decoding) and
+``reasoning``; out: the engine's chat messages and parameters, the same path as
+the chat route. Stateless: ``previous_response_id`` and ``store: true`` are refused.
+Results and events in: the Response object and its stream events out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from mlx_nursery.actors import Event, FinishReason, Result, Usage
+
+from .protocol import Defaults, Parsed, Style, bad
+
+_FIELDS = frozenset((
+    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
+    "max_output_tokens", "temperature", "top_p", "text", "reasoning", "stream", "metadata",
+    "user", "store", "previous_response_id", "service_tier", "truncation",
+))  # fmt: skip
+
+
+def _new(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}.content must be a string or a list of parts", "input")
+    out = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise bad(f"{where}: part type {kind!r} is not supported (text only)", "input")
+        out.append(str(part.get("text", "")))
+    return "".join(out)
+
+
+def _items(items: Any) -> list[dict]:
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad("'input' must be a string or a non-empty list of items", "input")
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise bad(f"input[{i}] must be an object", "input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("user", "assistant", "system"):
+                raise bad(f"input[{i}].role must be user, assistant, system or developer", "input")
+            out.append({"role": role, "content": _content(item.get("content"), f"input[{i}]")})
+        elif kind == "function_call":
+            fn = {"name": item.get("name"), "arguments": item.get("arguments")}
+            call = {"id": item.get("call_id"), "type": "function", "function": fn}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else json.dumps(output)
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        elif kind == "reasoning":
+            continue  # earlier reasoning is not fed back
+        else:
+            raise bad(f"input[{i}]: item type {kind!r} is not supported", "input")
+    return out
+
+
+def _tools(body: Mapping[str, Any], params: dict) -> None:
+    tools = body.get("tools")
+    if tools:
+        out = []
+        for i, t in enumerate(tools if isinstance(tools, list) else [None]):
+            kind = t.get("type") if isinstance(t, Mapping) else None
+            if kind != "function":
+                raise bad(f"tools[{i}]: tool type {kind!r} is not supported (function only)",
+                          "tools")  # fmt: skip
+            out.append({"type": "function", "function": {
+                "name": t.get("name"), "description": t.get("description", ""),
+                "parameters": t.get("parameters") or {"type": "object"}}})  # fmt: skip
+        params["tools"] = out
+    choice = body.get("tool_choice")
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        params["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    elif choice is not None:
+        params["tool_choice"] = choice
+    if body.get("parallel_tool_calls") is not None:
+        params["parallel_tool_calls"] = body["parallel_tool_calls"]
+
+
+def _format(body: Mapping[str, Any], params: dict) -> None:
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, Mapping) else None
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+    if kind == "json_schema":
+        params["response_format"] = {"type": "json_schema",
+                                     "json_schema": {"schema": fmt.get("schema")}}  # fmt: skip
+    elif kind in ("json_object", "text"):
+        params["response_format"] = {"type": kind}
+    else:
+        raise bad("text.format.type must be text, json_object or json_schema", "text")
+
+
+def parse_responses(body: Any, defaults: Defaults) -> Parsed:
+    if not isinstance(body, Mapping):
+        raise bad("the request body must be a JSON object")
+    for name in body:
+        if name not in _FIELDS:
+            raise bad(f"unknown field {name!r}: /v1/responses does not take it", name)
+    if body.get("previous_response_id") is not None:
+        raise bad("previous_response_id is not supported: this server keeps no responses; "
+                  "send the whole conversation in 'input'", "previous_response_id")  # fmt: skip
+    if body.get("store"):
+        raise bad("store must be false: this server keeps no responses", "store")
+    chat = _items(body.get("input"))
+    if body.get("instructions") is not None:
+        chat.insert(
+            0, {"role": "system", "content": _content(body["instructions"], "instructions")}
+        )
+    params: dict[str, Any] = {"max_tokens": body.get("max_output_tokens") or defaults.max_tokens}
+    for name in ("temperature", "top_p"):
+        params[name] = body[name] if body.get(name) is not None else getattr(defaults, name)
+    _tools(body, params)
+    _format(body, params)
+    effort = (body.get("reasoning") or {}).get("effort")
+    if effort is not None:
+        params["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean", "stream")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", "model")
+    fields = {"max_tokens": "max_output_tokens", "response_format": "text"}
+    return Parsed(chat, params, bool(stream), False, model, Style.CHAT, fields)
+
+
+def usage_body(usage: Usage | None) -> dict | None:
+    if usage is None:
+        return None
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def _message(item_id: str, text: str, status: str = "completed") -> dict:
+    content = [{"type": "output_text", "text": text, "annotations": []}] if text else []
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": content}  # fmt: skip
+
+
+def _call(item_id: str, call: Any, arguments: str, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
+def response_body(
+    rid: str, model: str, parsed: Parsed, output: list[dict], end: Event | Result | None
+) -> dict:
+    """The Response object: ``end`` is the result or terminal event (None: in progress)."""
+    reason = end.finish_reason if end is not None else None
+    status = "in_progress" if end is None else "completed"
+    if reason is FinishReason.LENGTH:
+        status = "incomplete"
+    p = parsed.params
+    return {
+        "id": rid, "object": "response", "created_at": time.time(), "model": model,
+        "status": status, "output": output, "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": None, "metadata": {},
+        "parallel_tool_calls": p.get("parallel_tool_calls", True),
+        "temperature": p.get("temperature"), "top_p": p.get("top_p"),
+        "tool_choice": _choice_body(p.get("tool_choice")),
+        "tools": [{"type": "function", **t["function"]} for t in p.get("tools", ())],
+        "max_output_tokens": p.get("max_tokens"),
+        "usage": usage_body(end.usage) if end is not None else None,
+    }  # fmt: skip
+
+
+def _choice_body(choice: Any) -> Any:
+    if isinstance(choice, Mapping):
+        return {"type": "function", "name": choice["function"]["name"]}
+    return choice or "auto"
+
+
+def full_output(result: Result) -> list[dict]:
+    out = []
+    if result.text:
+        out.append(_message(_new("msg"), result.text))
+    for call in result.tool_calls:
+        out.append(_call(_new("fc"), call, call.arguments))
+    return out
+
+
+@attrs.define
+class StreamShaper:
+    """One response's stream events, numbered; a text item is closed before a
+    function call item opens, and everything before ``response.completed``."""
+
+    model: str
+    parsed: Parsed
+    id: str = attrs.field(factory=lambda: _new("resp"))
+    seq: int = 0
+    output: list[dict] = attrs.field(factory=list)
+    text_item: dict | None = None  # the message item open now
+
+    def _event(self, kind: str, **body: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.seq, **body}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
+
+    def start(self) -> bytes:
+        snapshot = response_body(self.id, self.model, self.parsed, [], None)
+        return self._event("response.created", response=snapshot) + self._event(
+            "response.in_progress", response=snapshot
+        )
+
+    def _close_text(self) -> bytes:
+        item, self.text_item = self.text_item, None
+        if item is None:
+            return b""
+        index, text = len(self.output), item["content"][0]["text"]
+        done = _message(item["id"], text)
+        self.output.append(done)
+        part = done["content"][0]
+        return (
+            self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                        content_index=0, text=text, logprobs=[])
+            + self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                          content_index=0, part=part)
+            + self._event("response.output_item.done", output_index=index, item=done)
+        )  # fmt: skip
+
+    def event(self, event: Event) -> bytes:
+        out = b""
+        index = len(self.output)
+        if event.text:
+            if self.text_item is None:
+                self.text_item = _message(_new("msg"), "", status="in_progress")
+                part = {"type": "output_text", "text": "", "annotations": []}
+                out += self._event("response.output_item.added", output_index=index,
+                                   item=self.text_item)  # fmt: skip
+                out += self._event("response.content_part.added", item_id=self.text_item["id"],
+                                   output_index=index, content_index=0, part=part)  # fmt: skip
+                self.text_item["content"] = [dict(part)]
+            self.text_item["content"][0]["text"] += event.text
+            out += self._event("response.output_text.delta", item_id=self.text_item["id"],
+                               output_index=index, content_index=0, delta=event.text,
+                               logprobs=[])  # fmt: skip
+        for call in event.tool_calls:
+            out += self._close_text()
+            index, item_id = len(self.output), _new("fc")
+            out += self._event("response.output_item.added", output_index=index,
+                               item=_call(item_id, call, "", status="in_progress"))  # fmt: skip
+            out += self._event("response.function_call_arguments.delta", item_id=item_id,
+                               output_index=index, delta=call.arguments)  # fmt: skip
+            out += self._event(
+                "response.function_call_arguments.done", item_id=item_id, output_index=index,
+                arguments=call.arguments, name=call.name,
+            )  # fmt: skip
+            done = _call(item_id, call, call.arguments)
+            self.output.append(done)
+            out += self._event("response.output_item.done", output_index=index, item=done)
+        if event.terminal:
+            out += self._close_text()
+            # Always response.completed (the SDK's stream helper waits for it); a cut
+            # answer says so in the response: status incomplete, incomplete_details.
+            final = response_body(self.id, self.model, self.parsed, self.output, event)
+            out += self._event("response.completed", response=final)
+        return out
+
+    def error(self, message: str) -> bytes:
+        return self._event("error", code="server_error", message=message, param=None)
