@@ -24,7 +24,7 @@ import trio
 from .request import Event, FinishReason, TopLogprob, Usage
 from .row import Cancel, Finish, Row
 from .stats import Count, Observe, Stats
-from .tools import GENERIC, ReasoningScanner, ToolScanner
+from .tools import GENERIC, ReasoningScanner, ToolScanner, held_prefix
 
 MAILBOX_SIZE = 4096
 
@@ -82,12 +82,7 @@ def _split_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
     cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
     if cut >= 0:
         return text[:cut], "", True
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
+    hold = max(held_prefix(text, s) for s in stops)
     return text[: len(text) - hold], text[len(text) - hold :], False
 
 

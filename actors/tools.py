@@ -144,6 +144,12 @@ def _schema(tool: Mapping[str, Any]) -> dict:
     }
 
 
+def _calls_schema(tools: Sequence[Mapping[str, Any]]) -> dict:
+    """One call to any of ``tools``, compact (no free whitespace for a model to loop on)."""
+    schema = _schema(tools[0]) if len(tools) == 1 else {"anyOf": [_schema(t) for t in tools]}
+    return {"x-guidance": {"whitespace_flexible": False}, **schema}
+
+
 def call_grammar(
     tools: Sequence[Mapping[str, Any]], choice: str, parallel: bool, fmt: ToolFormat = GENERIC
 ) -> str | None:
@@ -151,8 +157,7 @@ def call_grammar(
     if choice in ("auto", "none") or not fmt.json:
         return None
     pool = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
-    schema = _schema(pool[0]) if len(pool) == 1 else {"anyOf": [_schema(t) for t in pool]}
-    schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
+    schema = _calls_schema(pool)
     repeat = "+" if parallel else ""
     return f'start: call{repeat}\ncall: "{OPEN}" obj "{CLOSE}"\nobj: %json {json.dumps(schema)}\n'
 
@@ -162,8 +167,7 @@ def body_grammar(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat = GENERIC) 
     once opened (None where the format's body is not JSON)."""
     if not tools or not fmt.json:
         return None
-    schema = _schema(tools[0]) if len(tools) == 1 else {"anyOf": [_schema(t) for t in tools]}
-    schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
+    schema = _calls_schema(tools)
     return f"start: obj {json.dumps(fmt.close)}\nobj: %json {json.dumps(schema)}\n"
 
 
@@ -235,7 +239,7 @@ class ToolScanner:
             if not self.inside:
                 at = self.text.find(opening)
                 if at < 0:
-                    keep = 0 if final else _partial(self.text, opening)
+                    keep = 0 if final else held_prefix(self.text, opening)
                     shown.append(self.text[: len(self.text) - keep])
                     self.text = self.text[len(self.text) - keep :]
                     break
@@ -287,7 +291,7 @@ class ReasoningScanner:
             part = reasoning if self.inside else content
             at = self.text.find(tag)
             if at < 0:
-                keep = 0 if final else _partial(self.text, tag)
+                keep = 0 if final else held_prefix(self.text, tag)
                 part.append(self.text[: len(self.text) - keep])
                 self.text = self.text[len(self.text) - keep :]
                 return "".join(content), "".join(reasoning)
@@ -295,7 +299,8 @@ class ReasoningScanner:
             self.text, self.inside = self.text[at + len(tag) :], not self.inside
 
 
-def _partial(text: str, tag: str) -> int:
+def held_prefix(text: str, tag: str) -> int:
+    """How many of ``text``'s last characters could begin ``tag`` (to hold back)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
             return k

@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 from mlx_nursery.actors import Event, FinishReason, Result, Usage
 
-from .protocol import ApiError, Defaults, Parsed, Style, bad
+from .protocol import ApiError, Defaults, Parsed, Style, bad, json_schema_format, stream_and_model
 
 _FIELDS = frozenset((
     "model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
@@ -155,19 +155,13 @@ def parse_messages(body: Any, defaults: Defaults) -> Parsed:
     if fmt is not None:
         if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
             raise bad("output_config.format must be {type: json_schema, schema}", "output_config")
-        params["response_format"] = {"type": "json_schema",
-                                     "json_schema": {"schema": fmt.get("schema")}}  # fmt: skip
+        params["response_format"] = json_schema_format(fmt.get("schema"))
     thinking = body.get("thinking")
     if isinstance(thinking, Mapping) and thinking.get("type") in ("enabled", "disabled"):
         params["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad("'stream' must be a boolean", "stream")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("'model' must be a string", "model")
+    stream, model = stream_and_model(body)
     fields = {"stop": "stop_sequences", "response_format": "output_config"}
-    return Parsed(chat, params, bool(stream), False, model, Style.CHAT, fields)
+    return Parsed(chat, params, stream, False, model, Style.CHAT, fields)
 
 
 def new_id() -> str:

@@ -158,6 +158,16 @@ def _stream(body) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+def json_schema_format(schema: Any) -> dict:
+    """The engine's ``response_format`` for a JSON schema (every API's structured output)."""
+    return {"type": "json_schema", "json_schema": {"schema": schema}}
+
+
+def stream_and_model(body: Mapping[str, Any]) -> tuple[bool, str | None]:
+    """The ``stream`` flag and the ``model`` name, checked as every API needs them."""
+    return bool(_bool(body, "stream")), _model(body)
+
+
 def _model(body) -> str | None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):

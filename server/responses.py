@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 from mlx_nursery.actors import Event, FinishReason, Result, Usage
 
-from .protocol import Defaults, Parsed, Style, bad
+from .protocol import Defaults, Parsed, Style, bad, json_schema_format, stream_and_model
 
 _FIELDS = frozenset((
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
@@ -109,8 +109,7 @@ def _format(body: Mapping[str, Any], params: dict) -> None:
         return
     kind = fmt.get("type") if isinstance(fmt, Mapping) else None
     if kind == "json_schema":
-        params["response_format"] = {"type": "json_schema",
-                                     "json_schema": {"schema": fmt.get("schema")}}  # fmt: skip
+        params["response_format"] = json_schema_format(fmt.get("schema"))
     elif kind in ("json_object", "text"):
         params["response_format"] = {"type": kind}
     else:
@@ -141,14 +140,9 @@ def parse_responses(body: Any, defaults: Defaults) -> Parsed:
     effort = (body.get("reasoning") or {}).get("effort")
     if effort is not None:
         params["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad("'stream' must be a boolean", "stream")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("'model' must be a string", "model")
+    stream, model = stream_and_model(body)
     fields = {"max_tokens": "max_output_tokens", "response_format": "text"}
-    return Parsed(chat, params, bool(stream), False, model, Style.CHAT, fields)
+    return Parsed(chat, params, stream, False, model, Style.CHAT, fields)
 
 
 def usage_body(usage: Usage | None) -> dict | None:
