@@ -42,6 +42,7 @@ class StepResult:
     kv_bytes: int
     padding_waste: float
     seconds: float
+    copied: int  # KV bytes the joins of this turn copied
 
 
 @attrs.frozen
@@ -49,30 +50,52 @@ class LeaveResult:
     saved: list[list[Any]]  # the kept rows' caches, in the order asked
     kv_bytes: int
     padding_waste: float
+    copied: int  # KV bytes the leave copied (filter, extract)
+
+
+@attrs.frozen
+class Joining:
+    """One :class:`Join` as decode takes it in: which of its slots join (``keep``)
+    and which leave first with their KV kept (``save``)."""
+
+    batch: Batch
+    keep: list[int]
+    save: list[int]
+
+
+@attrs.frozen
+class AdvanceResult:
+    step: StepResult
+    saved: list[list[Any]]  # the leaving joiners' caches, in ``save`` order
 
 
 def _leave(batch: Batch, keep: list[int], save: list[int]) -> LeaveResult:
     """Rows not in ``keep`` leave the batch; ``save`` rows' caches come back first
     (a lone row's own caches, else extracted from the batch). GPU thread."""
-    if save and not batch.batched:
-        saved = [batch.caches]  # the lone row's own caches: no copy
-    else:
-        saved = [[c.extract(i) for c in batch.caches] for i in save]
-    batch.filter(keep)
-    return LeaveResult(saved, batch.nbytes, batch.padding_waste())
+    before = batch.copied
+    saved = batch.split_off(keep, save)
+    return LeaveResult(saved, batch.nbytes, batch.padding_waste(), batch.copied - before)
 
 
-def _advance(batch: Batch, joiners: list[Batch], step: int) -> StepResult:
-    """One GPU turn: join, then step (GPU thread)."""
+def _advance(batch: Batch, joins: list[Joining], step: int) -> AdvanceResult:
+    """One GPU turn: joiners that left drop out of their groups, the rest join,
+    then one step (GPU thread)."""
     import mlx.core as mx
 
     t0 = time.perf_counter()
-    batch.join(joiners)
+    saved = []
+    before = batch.copied
+    for j in joins:
+        saved += j.batch.split_off(j.keep, j.save)
+        before -= j.batch.copied
+    batch.join([j.batch for j in joins])
+    copied = batch.copied - before
     sampled = batch.step() if len(batch) else []
     if step % CLEAR_CACHE_EVERY == 0:
         mx.clear_cache()
     seconds = time.perf_counter() - t0
-    return StepResult(sampled, batch.nbytes, batch.padding_waste(), seconds)
+    step_result = StepResult(sampled, batch.nbytes, batch.padding_waste(), seconds, copied)
+    return AdvanceResult(step_result, saved)
 
 
 @attrs.define(eq=False)
@@ -86,7 +109,7 @@ class Decode:
     to_prompt_cache: trio.MemorySendChannel | None
     _batch: Batch = attrs.field(init=False)
     _rows: list[Row] = attrs.field(factory=list, init=False)  # DECODING, in batch order
-    _joining: list[Row] = attrs.field(factory=list, init=False)  # JOINING, FIFO
+    _joining: list[Join] = attrs.field(factory=list, init=False)  # FIFO
     _turns: int = attrs.field(default=0, init=False)  # GPU turns taken
 
     def __attrs_post_init__(self) -> None:
@@ -107,11 +130,12 @@ class Decode:
 
     def _take(self, message: Join | Cancel | Finish) -> None:
         match message:
-            case Join(row):
-                self._joining.append(row)
+            case Join():
+                self._joining.append(message)
             case Cancel(row_id) | Finish(row_id):
-                for row in (*self._rows, *self._joining):
-                    if row.id == row_id:
+                joining = (r for j in self._joining for r in j.rows)
+                for row in (*self._rows, *joining):
+                    if row.id == row_id and row.phase is not Phase.ENDED:
                         row.ask(message)
                 # unknown: the row already ended; ending it twice is a no-op
             case _:
@@ -120,24 +144,65 @@ class Decode:
     async def _turn(self) -> None:
         await self._leave()
         joins, self._joining = self._joining, []
-        if not joins and not self._rows:
+        taking, joined, gone, saving = [], [], [], []
+        for join in joins:
+            # Slots of rows that ended at their first token (ENDED by prefill) or
+            # while waiting here (end set) leave the group before it joins.
+            keep, save = [], []
+            for i, row in enumerate(join.rows):
+                if row.phase is Phase.ENDED:
+                    continue
+                row.work = None
+                if row.end is None:
+                    keep.append(i)
+                    joined.append(row)
+                    continue
+                gone.append(row)
+                if self._keeps(row):  # its KV holds its prompt (its first token is not fed)
+                    save.append(i)
+                    saving.append(row)
+            taking.append(Joining(join.batch, keep, save))
+        if not joined and not self._rows:
+            if taking:
+                await self._drop_joiners(taking, gone, saving)
             return
-        joiners = []
-        for row in joins:
+        for row in joined:
             row.move(Phase.DECODING)
-            joiners.append(row.work)
-            row.work = None
-        self._rows.extend(joins)
+        self._rows.extend(joined)
         self._turns += 1
         try:
-            result = await self.gpu.call(_advance, self._batch, joiners, self._turns)
+            result = await self.gpu.call(_advance, self._batch, taking, self._turns)
         except Exception as exc:
             await self._fault(exc)
+            for row in gone:
+                await self._free(row, announced=False)
             return
-        self._report(result.kv_bytes, result.padding_waste)
-        await self._emit(result.sampled)
-        if result.sampled:  # counted once its tokens are out: scripts wait on this count
-            self.stats.post(Count("steps"), Observe("step_time", result.seconds))
+        await self._freed_joiners(gone, saving, result.saved)
+        step = result.step
+        self._report(step.kv_bytes, step.padding_waste)
+        if step.copied:
+            self.stats.post(Count("kv_copied_bytes", step.copied))
+        await self._emit(step.sampled)
+        if step.sampled:  # counted once its tokens are out: scripts wait on this count
+            self.stats.post(Count("steps"), Observe("step_time", step.seconds))
+
+    async def _drop_joiners(
+        self, taking: list[Joining], gone: list[Row], saving: list[Row]
+    ) -> None:
+        """Every joiner of this turn ended before joining, and nothing runs."""
+        saved = []
+        try:
+            for j in taking:
+                saved += await self.gpu.call(j.batch.split_off, j.keep, j.save)
+        except Exception:
+            saved, saving = [], []
+        await self._freed_joiners(gone, saving, saved)
+
+    async def _freed_joiners(self, gone: list[Row], saving: list[Row], saved: list) -> None:
+        for row, caches in zip(saving, saved, strict=True):
+            await self.to_prompt_cache.send(Put(row.prompt, caches))
+        for row in gone:
+            await self._free(row, announced=False)
 
     async def _emit(self, sampled: list[Sampled | None]) -> None:
         out = []
@@ -161,13 +226,6 @@ class Decode:
         prompt cache), ``Ended`` to the emitter unless their last token in
         ``pending`` carries the end, and their slot back to admission. False when
         the batch failed instead (then :meth:`_fault` has sent ``pending``)."""
-        dropped = [r for r in self._joining if r.end is not None]
-        self._joining = [r for r in self._joining if r.end is None]
-        for row in dropped:
-            # A joiner's solo caches hold its prompt (its first token is not fed yet).
-            if self._keeps(row):
-                await self.to_prompt_cache.send(Put(row.prompt, row.work.caches))
-            await self._free(row, announced=False)
         gone = [r for r in self._rows if r.end is not None]
         if not gone:
             return True
@@ -183,6 +241,8 @@ class Decode:
             await self.to_prompt_cache.send(Put(row.prompt + row.tokens, caches))
         self._rows = [self._rows[i] for i in keep]
         self._report(left.kv_bytes, left.padding_waste)
+        if left.copied:
+            self.stats.post(Count("kv_copied_bytes", left.copied))
         announced = {o.row.id for o in pending if o.ends}
         for row in gone:
             await self._free(row, announced=row.id in announced)

@@ -253,7 +253,16 @@ def _wire(
         Emitter(tokenizer, stats, inbox=emit.inbox, to_admission=adm.clone(), think=think),
         Decode(model, gpu, stats, inbox=dec.inbox, **ends()),
         Serial(model, gpu, stats, steps, inbox=ser.inbox, **ends()),
-        PrefillActor(model, gpu, stats, steps, inbox=pre.inbox, to_decode=dec.clone(), **ends()),
+        PrefillActor(
+            model,
+            gpu,
+            stats,
+            steps,
+            inbox=pre.inbox,
+            to_decode=dec.clone(),
+            together=info.padded_prefill,
+            **ends(),
+        ),
         Admission(
             settings.batch,
             budget,

@@ -14,6 +14,9 @@ from .budget import LayerCost, probe
 class ModelInfo:
     id: str  # the public name (a file or directory stem, never a path)
     batchable: bool  # every cache layer has mlx-lm's merge (mlx_lm.server's test)
+    # Joiners may be prefilled as one padded batch: every layer is a plain KVCache,
+    # which takes right padding exactly (sliding windows and recurrent state do not).
+    padded_prefill: bool
     context_length: int | None
     eos: frozenset[int]
     vocab_size: int | None
@@ -34,7 +37,7 @@ def load_model(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
     from mlx_nursery.server.models import resolve, short_id
 
     name = "model"
@@ -58,6 +61,7 @@ def load_model(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
     info = ModelInfo(
         id=name,
         batchable=all(hasattr(c, "merge") for c in caches),
+        padded_prefill=all(type(c) is KVCache for c in caches),
         context_length=int(context) if context else None,
         eos=frozenset(tokenizer.eos_token_ids),
         vocab_size=getattr(args, "vocab_size", None),

@@ -1,13 +1,17 @@
-"""The prefill actor: each joiner's prompt, alone, a bounded chunk per GPU turn.
+"""The prefill actor: joiners' prompts, a bounded number of tokens per GPU turn.
 
-Rows arrive from admission in FIFO order. Each is prefilled on fresh solo caches
-(never padded, never batched with another prompt). A GPU turn spends at most
-``prefill_step_size`` prompt tokens, oldest joiner first: a long prompt takes
-several turns, while several short prompts that arrive together share one turn.
-Between two turns the decode actor's step gets the GPU (calls run FIFO), so
-running rows stall at most one turn's worth of prefill. A joiner whose prompt is
-in is primed (its last token forwarded and its first token sampled on its solo
-caches) and goes to decode to join the batch. A prefill error fails only its row.
+Rows arrive from admission in FIFO order. A GPU turn spends at most
+``prefill_step_size`` prompt tokens. Where the model's caches take padding
+exactly (plain KV), joiners whose whole prompts fit the turn padded to the
+longest of them are prefilled as one right-padded batch and primed together,
+as mlx-lm's batch prefill does: one large forward instead of one small one per
+row, and their first tokens all come out of that turn. Other joiners (a long
+prompt, a model with sliding-window or recurrent caches) are prefilled alone
+on fresh solo caches, oldest first, a chunk per turn. Between two turns the
+decode actor's step gets the GPU (calls run FIFO), so running rows stall at
+most one turn's worth of prefill. A joiner whose prompt is in is primed (its
+last token forwarded and its first token sampled) and goes to decode to join
+the batch. A prefill error fails only the rows of that forward.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from .mailbox import closing
 from .prompt_cache import EntryKind, Put, take
 from .request import FinishReason
 from .row import Cancel, End, Finish, Phase, Row
-from .rows import Batch, Prefill, Sampled
+from .rows import Batch, Prefill, Sampled, prefill_together
 from .stats import Count, Gauge, Stats
 
 MAILBOX_SIZE = 4096
@@ -38,24 +42,37 @@ PRIMES_PER_TURN = 2
 # Joiners sharing at least this many prompt tokens with an earlier joiner wait for
 # its snapshot there instead of computing the shared part again.
 MIN_SHARED = 16
+# When joiners are prefilled together, a shorter shared prefix (a chat template's
+# system preamble) costs less computed again inside one padded forward than the
+# turn a held-back joiner would wait.
+MIN_SHARED_TOGETHER = 256
 
 
 @attrs.frozen
 class Join:
-    """Hands a primed row (JOINING; ``row.work`` is its one-row batch) to decode."""
+    """Hands primed rows to decode: ``batch`` holds their KV and pending first
+    tokens, one slot per row in this order (one row's solo caches, or a group
+    prefilled together). Rows that ended at their first token stay in the
+    tuple, ENDED: decode drops their slots when the rest join."""
 
-    row: Row
+    rows: tuple[Row, ...]
+    batch: Batch
 
 
 @attrs.frozen
 class _Done:
-    """What one joiner got from a turn: tokens prefilled, and its primed batch when
-    its prompt is complete (or the error that ended it)."""
+    """What one unit of a turn (one joiner's chunks, or a group prefilled
+    together) got: tokens prefilled, and its primed batch and first tokens once
+    the prompts are in (or the error that ended them)."""
 
     tokens: int
     primed: Batch | None = None
-    first: Sampled | None = None  # the row's first token, read at once
+    firsts: list[Sampled] = attrs.field(factory=list)  # read at once, one per row
     error: BaseException | None = None
+
+
+# A unit of a turn: one joiner with its token budget, or a group (budget None).
+Unit = tuple[list[Prefill], int | None]
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
@@ -66,61 +83,101 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def prefill_turn(plan: list[tuple[Prefill, int]]) -> list[_Done]:
-    """One GPU turn (GPU thread): run each planned chunk; prime what is complete.
-    A fault is caught per joiner, so it fails that joiner alone."""
+def prefill_turn(plan: list[Unit]) -> list[_Done]:
+    """One GPU turn (GPU thread): run each unit; prime what is complete. A fault
+    is caught per unit, so it fails that joiner (or that group) alone."""
     results = []
-    for job, budget in plan:
+    for jobs, budget in plan:
         try:
+            if budget is None:
+                tokens = sum(job.remaining + 1 for job in jobs)
+                primed = prefill_together(jobs)
+                results.append(_Done(tokens, primed, primed.read_first()))
+                continue
+            (job,) = jobs
             done = 0
             while done < budget and job.remaining > 0:
                 done += job.chunk(budget - done)
-            primed = first = None
-            if job.remaining == 0:
-                primed = job.prime()
-                first = primed.read_first()
-            results.append(_Done(done + (primed is not None), primed, first))
+            if job.remaining > 0:
+                results.append(_Done(done))
+                continue
+            primed = job.prime()
+            results.append(_Done(done + 1, primed, primed.read_first()))
         except Exception as exc:
             results.append(_Done(0, error=exc))
     return results
 
 
-def plan_turn(active: list[Prefill], step_size: int) -> list[tuple[Prefill, int]]:
-    """Share one turn's token budget among joiners, oldest first. Each planned
-    joiner gets at least one token (its prime, when nothing else is left).
+def plan_turn(
+    active: list[Prefill],
+    step_size: int,
+    together: bool = False,
+    min_shared: int | None = MIN_SHARED,
+) -> list[Unit]:
+    """Share one turn's token budget among joiners, oldest first.
 
-    A joiner that has not started and shares a prefix of ``MIN_SHARED`` tokens or
+    With ``together`` (caches that take padding exactly), the most joiners whose
+    whole prompts fit the budget padded to the longest of them are prefilled and
+    primed as one group, first; when the oldest joiner is not among them it keeps
+    at least half the turn. The rest go alone, oldest first, each planned one
+    getting at least one token (its prime, when nothing else is left).
+
+    A joiner that has not started and shares a prefix of ``min_shared`` tokens or
     more with an earlier joiner still short of that point is held back, and the
-    earlier one told to snapshot there: the shared part is computed once."""
+    earlier one told to snapshot there: the shared part is computed once (None:
+    never, as without a prompt cache to hand the snapshot over)."""
     # Every joiner not yet started is checked, budget or not, so that earlier ones
     # learn where to snapshot before they pass that point.
     waiting = {
         id(job)
         for i, job in enumerate(active)
-        if not job.started and _waits_for_earlier(job, active[:i])
+        if min_shared is not None
+        and not job.started
+        and _waits_for_earlier(job, active[:i], min_shared)
     }
-    plan, budget, primes = [], step_size, 0
-    for job in active:
+    ready = [job for job in active if id(job) not in waiting]
+    plan: list[Unit] = []
+    budget = step_size
+    if together:
+        group = _group(ready, step_size)
+        if group and group[0] is not ready[0]:  # the oldest goes alone: keep it half
+            group = _group(ready, step_size // 2)
+        if len(group) >= 2:
+            plan.append((group, None))
+            budget -= len(group) * (max(job.remaining for job in group) + 1)
+            ready = [job for job in ready if job not in group]
+    primes = 0
+    for job in ready:
         if budget <= 0 or primes >= PRIMES_PER_TURN:
             break
-        if id(job) in waiting:
-            continue
         left = job.remaining
         take_now = min(budget, max(left, 0))
-        plan.append((job, take_now))
+        plan.append(([job], take_now))
         budget -= max(take_now, 1)
         primes += take_now == left
     return plan
 
 
-def _waits_for_earlier(job: Prefill, earlier: list[Prefill]) -> bool:
+def _group(ready: list[Prefill], cap: int) -> list[Prefill]:
+    """The most joiners whose whole prompts fit ``cap`` tokens padded to the
+    longest of them (its last token, the prime, included): shortest first, then
+    back in arrival order."""
+    chosen: set[int] = set()
+    for n, job in enumerate(sorted(ready, key=lambda j: j.remaining), start=1):
+        if n * (job.remaining + 1) > cap:
+            break
+        chosen.add(id(job))
+    return [job for job in ready if id(job) in chosen]
+
+
+def _waits_for_earlier(job: Prefill, earlier: list[Prefill], min_shared: int) -> bool:
     """Hold ``job`` back while an earlier joiner computes a prefix they share and
-    ``job``'s own take does not cover (by ``MIN_SHARED`` tokens or more); tell
+    ``job``'s own take does not cover (by ``min_shared`` tokens or more); tell
     that joiner to snapshot there. A held-back joiner takes again once released."""
     waits = False
     for other in earlier:
         shared = min(shared_prefix(job.prompt, other.prompt), len(job.prompt) - 1)
-        if shared - job.done >= MIN_SHARED and other.done < shared:
+        if shared - job.done >= min_shared and other.done < shared:
             other.snapshot_at.add(min(shared, len(other.prompt) - 1))
             waits = True
     if waits:
@@ -139,6 +196,7 @@ class PrefillActor:
     to_emitter: trio.MemorySendChannel
     to_admission: trio.MemorySendChannel
     to_prompt_cache: trio.MemorySendChannel | None
+    together: bool = False  # joiners may be prefilled as one padded batch (plain KV)
     _active: list[Row] = attrs.field(factory=list, init=False)  # PREFILLING, FIFO
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -195,48 +253,69 @@ class PrefillActor:
                 hit = await take(self.to_prompt_cache, row.prompt)
                 row.work.start_from(hit.caches, hit.cached)
                 row.cached_tokens = row.work.done
-        plan = plan_turn([r.work for r in self._active], self.step_size)
+        min_shared = MIN_SHARED_TOGETHER if self.together else MIN_SHARED
+        if self.to_prompt_cache is None:
+            min_shared = None
+        jobs = [r.work for r in self._active]
+        plan = plan_turn(jobs, self.step_size, self.together, min_shared)
         by_job = {id(r.work): r for r in self._active}
         results = await self.gpu.call(prefill_turn, plan)
-        now = trio.current_time()
-        for (job, _), done in zip(plan, results, strict=True):
-            row = by_job[id(job)]
+        for (jobs, _), done in zip(plan, results, strict=True):
+            rows = [by_job[id(job)] for job in jobs]
             self.stats.post(Count("prefill_tokens", done.tokens))
-            await self._put_snapshots(row)
+            for row in rows:
+                await self._put_snapshots(row)
             if done.error is None and done.primed is None:
                 continue  # more chunks to come
-            self._active.remove(row)
+            for row in rows:
+                self._active.remove(row)
+            if len(rows) > 1:
+                self.stats.post(Count("prefilled_together", len(rows)))
             if done.error is not None:
                 err = done.error
-                row.ask_end(End(FinishReason.ERROR, f"prefill failed: {type(err).__name__}: {err}"))
-                await self._end(row)
-            elif row.end is not None:
-                await self._end(row)
+                for row in rows:
+                    row.ask_end(
+                        End(FinishReason.ERROR, f"prefill failed: {type(err).__name__}: {err}")
+                    )
+                    await self._end(row)
             else:
-                row.times.prefill_ended = now
-                await self._first_token(row, done)
+                await self._first_tokens(rows, done)
         self._report()
 
-    async def _first_token(self, row: Row, done: _Done) -> None:
-        """Deliver the row's first token now (time to first token does not wait for
-        the join), then hand the primed row to decode; a row that ends at its
-        first token (EOS, a stop id, max_tokens 1) never joins."""
-        first = done.first
-        reason = row.accept(first.token)
-        shown = None if reason is FinishReason.STOP else first.token
-        if reason is None:
-            row.work = done.primed
-            row.move(Phase.JOINING)
-            await self.to_emitter.send(
-                Tokens((TokenOut(row, shown, first.logprob, first.top_logprobs),))
+    async def _first_tokens(self, rows: list[Row], done: _Done) -> None:
+        """Deliver the rows' first tokens now (time to first token does not wait
+        for the join), then hand the primed rows to decode in one :class:`Join`.
+        A row that ends at its first token (EOS, a stop id, max_tokens 1), was
+        cancelled meanwhile, or whose own sampling failed never joins."""
+        now = trio.current_time()
+        out, joining, left = [], [], []
+        for row, first in zip(rows, done.firsts, strict=True):
+            row.times.prefill_ended = now
+            if row.end is None and first.error is not None:
+                row.ask_end(End(FinishReason.ERROR, first.error))
+                self.stats.post(Count("row_faults"))
+            if row.end is not None:
+                await self._end(row)
+                continue
+            reason = row.accept(first.token)
+            shown = None if reason is FinishReason.STOP else first.token
+            out.append(
+                TokenOut(row, shown, first.logprob, first.top_logprobs, ends=reason is not None)
             )
-            await self.to_decode.send(Join(row))
-            return
-        row.work = None
-        row.move(Phase.ENDED)
-        out = TokenOut(row, shown, first.logprob, first.top_logprobs, ends=True)
-        await self.to_emitter.send(Tokens((out,)))
-        await self.to_admission.send(Left(row.id))
+            if reason is None:
+                row.work = done.primed
+                row.move(Phase.JOINING)
+                joining.append(row)
+            else:
+                row.work = None
+                row.move(Phase.ENDED)
+                left.append(row)
+        if out:
+            await self.to_emitter.send(Tokens(tuple(out)))
+        for row in left:
+            await self.to_admission.send(Left(row.id))
+        if joining:
+            await self.to_decode.send(Join(tuple(rows), done.primed))
 
     async def _put_snapshots(self, row: Row) -> None:
         job = row.work

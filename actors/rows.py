@@ -88,6 +88,31 @@ class Slot:
     fault: str | None = None
 
 
+def _merge(solo: Sequence[list[Any]]) -> list[Any]:
+    """Several rows' solo caches as one batch, layer by layer (mlx-lm's merge)."""
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*solo, strict=True)]
+
+
+def _blocks(parts: Sequence[Batch]) -> tuple[list[list[Any]], int]:
+    """The parts' caches as batch caches, in slot order: each run of solo parts
+    merged into one (a copy), batched parts as they are; and the bytes merged."""
+    blocks: list[list[Any]] = []
+    solo: list[list[Any]] = []
+    merged = 0
+    for part in [*parts, None]:
+        if solo and (part is None or part.batched):
+            blocks.append(_merge(solo))
+            merged += _nbytes(blocks[-1])
+            solo = []
+        if part is not None:
+            (blocks if part.batched else solo).append(part.caches)
+    return blocks, merged
+
+
+def _nbytes(caches: Sequence[Any]) -> int:
+    return sum(c.nbytes for c in caches)
+
+
 def _first_kv(caches: Sequence[Any]) -> BatchKVCache | None:
     for c in caches:
         if isinstance(c, CacheList):
@@ -111,6 +136,8 @@ class Batch:
     # Tokens sampled by the last step, fed by the next: lazily computing, one per slot.
     next_tokens: mx.array | None = None
     next_logprobs: list[mx.array] = attrs.field(factory=list)
+    # KV bytes copied so far by joins and leaves (merge, extend, filter, extract).
+    copied: int = 0
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -132,38 +159,45 @@ class Batch:
     # -- membership -------------------------------------------------------------
 
     def join(self, joiners: Sequence[Batch]) -> None:
-        """Take the primed joiners' rows into this batch, by cache kind: adopt a lone
-        joiner's caches when the batch is empty; otherwise merge every solo cache
-        (a lone running row's and the joiners') in one pass, or merge the joiners
-        and extend the running batch once. Each row's KV is copied at most twice
-        however many join at once (one extend per joiner would recopy the batch)."""
+        """Take the joiners' rows into this batch, by cache kind: adopt a lone
+        joiner's caches when the batch is empty; otherwise merge each run of solo
+        caches (a lone running row's, single joiners') in one pass and extend the
+        batch with the result and with each batched joiner (a group prefilled
+        together). Each row's KV is copied at most twice however many join at once
+        (one extend per solo joiner would recopy the batch each time)."""
+        joiners = [j for j in joiners if j.slots]
         if not joiners:
             return
-        if any(j.batched for j in joiners):
-            raise ValueError("a joiner arrives on solo caches")
-        if not self.slots and len(joiners) == 1:
-            (other,) = joiners
+        parts = ([self] if self.slots else []) + joiners
+        if len(parts) == 1:
+            (other,) = parts
             self.caches, self.batched = other.caches, other.batched
             self.next_tokens, self.next_logprobs = other.next_tokens, list(other.next_logprobs)
+            self.slots = list(other.slots)
         else:
-            solo = [j.caches for j in joiners]
-            if self.slots and not self.batched:
-                solo.insert(0, self.caches)
-            layers = list(zip(*solo, strict=True))
-            if self.slots and self.batched:
-                for c, js in zip(self.caches, layers, strict=True):
-                    c.extend(type(js[0]).merge(list(js)))
-            else:
-                self.caches = [type(js[0]).merge(list(js)) for js in layers]
-            self.batched = True
-            pending = [self.next_tokens] if self.slots else []
-            self.next_tokens = mx.concatenate(pending + [j.next_tokens for j in joiners])
-            self.next_logprobs = self.next_logprobs + [
-                lp for j in joiners for lp in j.next_logprobs
-            ]
+            blocks, merged = _blocks(parts)
+            base, *rest = blocks
+            for other in rest:
+                for c, o in zip(base, other, strict=True):
+                    c.extend(o)
+            self.caches, self.batched = base, True
+            self.copied += merged + self.nbytes * len(rest)
+            self.next_tokens = mx.concatenate([p.next_tokens for p in parts])
+            self.next_logprobs = [lp for p in parts for lp in p.next_logprobs]
+            self.slots = [s for p in parts for s in p.slots]
         for j in joiners:
-            self.slots.extend(j.slots)
             j.slots, j.caches, j.next_tokens, j.next_logprobs = [], None, None, []
+
+    def split_off(self, keep: Sequence[int], save: Sequence[int]) -> list[list[Any]]:
+        """Rows not in ``keep`` leave; ``save`` rows' caches come back, in the order
+        asked (a lone row's own caches without a copy, else extracted)."""
+        if save and not self.batched:
+            saved = [self.caches]
+        else:
+            saved = [[c.extract(i) for c in self.caches] for i in save]
+            self.copied += sum(_nbytes(s) for s in saved)
+        self.filter(keep)
+        return saved
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep only the slots at ``keep`` (indices); the rest leave and their KV is freed."""
@@ -178,6 +212,7 @@ class Batch:
         if self.batched:
             for c in self.caches:
                 c.filter(keep)
+            self.copied += self.nbytes
         self.next_tokens = self.next_tokens[mx.array(keep)]
         self.next_logprobs = [self.next_logprobs[i] for i in keep]
 
@@ -232,18 +267,21 @@ class Batch:
                 out.append(mx.argmax(row, axis=-1))
         return mx.concatenate(out, axis=0)
 
-    def read_first(self) -> Sampled:
-        """Read the one pending token of a freshly primed one-row batch (the token
-        stays pending: the first step feeds it and reads it again)."""
-        (slot,) = self.slots
-        if slot.fault is not None:
-            raise RuntimeError(slot.fault)  # its prefill fails: it never joins
-        (logprobs,) = self.next_logprobs
-        mx.eval(self.next_tokens, logprobs)
-        token = self.next_tokens.item()
-        logprob, top = read_logprobs(logprobs, token, slot.params)
-        slot.pending_read = True
-        return Sampled(token, logprob, top)
+    def read_first(self) -> list[Sampled]:
+        """Read the pending tokens of a freshly primed batch, one per slot (they stay
+        pending: the first step feeds them and skips reading them again). A row
+        whose own work failed reads as a :class:`Sampled` with ``error``: it never
+        joins."""
+        mx.eval(self.next_tokens, self.next_logprobs)
+        tokens = self.next_tokens.tolist()
+        out = []
+        for slot, token, lp in zip(self.slots, tokens, self.next_logprobs, strict=True):
+            sampled = Sampled(token, None, None, error=slot.fault)
+            if slot.fault is None:
+                sampled = self._read(slot, token, lp)
+            slot.pending_read = True
+            out.append(sampled)
+        return out
 
     def step(self) -> list[Sampled | None]:
         """Start step n+1, then read step n: the tokens the last step sampled, one
@@ -310,34 +348,44 @@ class Prefill:
         """Tokens still to prefill before the last one."""
         return len(self.prompt) - 1 - self.done
 
-    def chunk(self, budget: int | None = None) -> int:
-        """Prefill the next chunk (at most ``step_size`` tokens, and ``budget``)."""
-        self._start()
+    def next_take(self, budget: int | None = None) -> int:
+        """Tokens the next chunk takes: at most ``step_size`` and ``budget``, and
+        never past the next snapshot boundary."""
         n = min(self.step_size, self.remaining, budget or self.step_size)
         ahead = [b - self.done for b in self.snapshot_at if b > self.done]
-        if ahead:
-            n = min(n, *ahead)
+        return min(n, *ahead) if ahead else n
+
+    def chunk(self, budget: int | None = None) -> int:
+        """Prefill the next chunk alone (see :meth:`next_take`)."""
+        self._start()
+        n = self.next_take(budget)
         if n > 0:
             tokens = mx.array(self.prompt[self.done : self.done + n])
             self.model(tokens[None], cache=self.caches)
             mx.eval([c.state for c in self.caches])
-            self.done += n
+            self.advanced(n, lambda: [clone(c) for c in self.caches])
             mx.clear_cache()
-            if self.done in self.snapshot_at:
-                self.snapshots.append((self.done, [clone(c) for c in self.caches]))
         return n
+
+    def advanced(self, n: int, snapshot) -> None:
+        """``n`` more prompt tokens are in; keep ``snapshot()`` at a boundary."""
+        self.done += n
+        if self.done in self.snapshot_at:
+            self.snapshots.append((self.done, snapshot()))
 
     def _start(self) -> None:
         self.started = True
         if self.caches is None:
             self.caches = make_prompt_cache(self.model)
 
-    def prime(self) -> Batch:
-        self._start()
+    def slot(self) -> Slot:
         sampler, processors = build_sampling(self.params)
         context = TokenBuffer(self.prompt[:-1]) if processors else None
-        slot = Slot(self.params, sampler, processors, context)
-        batch = Batch(self.model, [slot], self.caches, batched=False)
+        return Slot(self.params, sampler, processors, context)
+
+    def prime(self) -> Batch:
+        self._start()
+        batch = Batch(self.model, [self.slot()], self.caches, batched=False)
         batch.next_tokens = mx.array(self.prompt[-1:])
         batch._forward()
         return batch
@@ -345,3 +393,45 @@ class Prefill:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches) if self.caches else 0
+
+
+def prefill_together(jobs: Sequence[Prefill]) -> Batch:
+    """Prefill several joiners' remaining prompts as one padded batch and prime
+    them together: one batched :class:`Batch` whose first tokens are pending.
+
+    As mlx-lm's ``PromptProcessingBatch``: the rows' caches are merged (mlx-lm's
+    ``merge`` left-pads what a prompt-cache take already holds), each chunk is
+    right-padded to its widest row with the cache told the lengths
+    (``prepare``), and ``finalize`` rolls the pads to the left, where the batch
+    mask hides them (a finite bias; see docs/batching.md). A row takes at most
+    ``step_size`` tokens a chunk and stops at its snapshot boundaries, where its
+    KV is extracted for the prompt cache. Only for caches that take padding
+    exactly (plain ``KVCache``); the caller checks."""
+    for job in jobs:
+        job._start()
+    caches = _merge([job.caches for job in jobs])
+    for job in jobs:
+        job.caches = None  # the rows' KV lives in the batch now
+    while any(job.remaining > 0 for job in jobs):
+        takes = [job.next_take() for job in jobs]
+        width = max(takes)
+        pads = [width - n for n in takes]
+        rows = [
+            job.prompt[job.done : job.done + n] + [0] * p
+            for job, n, p in zip(jobs, takes, pads, strict=True)
+        ]
+        if max(pads) > 0:
+            for c in caches:
+                c.prepare(lengths=takes, right_padding=pads)
+        jobs[0].model(mx.array(rows), cache=caches)
+        if max(pads) > 0:
+            for c in caches:
+                c.finalize()
+        mx.eval([c.state for c in caches])
+        for i, (job, n) in enumerate(zip(jobs, takes, strict=True)):
+            job.advanced(n, lambda i=i: [c.extract(i) for c in caches])
+        mx.clear_cache()
+    batch = Batch(jobs[0].model, [job.slot() for job in jobs], caches, batched=True)
+    batch.next_tokens = mx.array([job.prompt[-1] for job in jobs])
+    batch._forward()
+    return batch

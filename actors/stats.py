@@ -84,6 +84,7 @@ COUNTERS = (
     "steps", "prompt_tokens", "prefill_tokens", "generated_tokens", "batch_faults", "row_faults",
     "dropped_stats", "overloaded", "queue_timeouts", "stalls",
     "prompt_cache_hits", "prompt_cache_misses", "prompt_cache_hit_tokens",
+    "prefilled_together", "kv_copied_bytes",
 )  # fmt: skip
 # Each gauge has one writer: admission (rows), decode (batch_*), prefill (prefill_*),
 # serial (serial_*).
@@ -129,6 +130,8 @@ class StatsSnapshot:
     prompt_cache_hits: int
     prompt_cache_misses: int
     prompt_cache_hit_tokens: int
+    prefilled_together: int  # rows whose prompts were prefilled as one padded batch
+    kv_copied_bytes: int  # KV bytes copied by the batch's joins and leaves
     time_to_first_token: HistogramSnapshot
     queue_wait: HistogramSnapshot
     step_time: HistogramSnapshot

@@ -27,6 +27,8 @@ _COUNTERS = {
     "prompt_cache_hits": ("prompt_cache_hits_total", "Prompt-cache takes that found a prefix."),
     "prompt_cache_misses": ("prompt_cache_misses_total", "Prompt-cache takes that found none."),
     "prompt_cache_hit_tokens": ("prompt_cache_hit_tokens_total", "Prompt tokens served cached."),
+    "prefilled_together": ("prefilled_together_total", "Rows prefilled in one padded batch."),
+    "kv_copied_bytes": ("kv_copied_bytes_total", "KV bytes copied by batch joins and leaves."),
 }
 _GAUGES = {
     "configured": ("batch_configured", "The concurrency cap (--batch)."),

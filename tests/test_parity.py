@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 from conftest import checked_engine, golden
 
@@ -51,10 +52,16 @@ async def _play(engine, prompts, rows):
     return results
 
 
-async def test_batch_scenarios_match_batch_generator(family):
+@pytest.mark.parametrize("step_size", [32, 2048], ids=["chunked", "together"])
+async def test_batch_scenarios_match_batch_generator(family, step_size):
+    """At 32 tokens a turn most rows prefill alone, chunk by chunk (short ones
+    together); at 2048 every row that arrives with others is prefilled in one
+    padded batch with them, where the caches allow it (plain KV: llama, qwen3),
+    as mlx-lm's own batch prefill does."""
     g = golden(family)
+    together = 0
     for name, rows in g["batch"].items():
-        async with checked_engine(family, batch=8) as engine:
+        async with checked_engine(family, batch=8, prefill_step_size=step_size) as engine:
             results = await _play(engine, g["prompts"], rows)
             for row, result in zip(rows, results, strict=True):
                 where = f"{name}/{row['prompt']}@{row['insert_at']}"
@@ -62,3 +69,6 @@ async def test_batch_scenarios_match_batch_generator(family):
                 assert result.text == row["text"], where
                 assert result.finish_reason == row["finish_reason"], where
             assert engine.stats().steps > 0
+            together += engine.stats().prefilled_together
+    if step_size > 32:
+        assert (together > 0) == (family in ("llama", "qwen3")), together

@@ -127,3 +127,49 @@ async def test_staggered_arrivals_in_the_batch_equal_stream_generate(batch):
                     await e.wait_step(e.steps + 2)
     for i, (_, want) in enumerate(cases):
         assert results[i].tokens == want, f"prompt {i}"
+
+
+def batch_generator_tokens(cases: list[list[int]]) -> list[list[int]]:
+    """mlx-lm's own BatchGenerator, every prompt inserted at once (its padded batch
+    prefill), greedy, ``MAX_TOKENS`` each."""
+    from mlx_lm.generate import BatchGenerator
+
+    model, tokenizer = smollm2()
+    gen = BatchGenerator(
+        model,
+        max_tokens=MAX_TOKENS,
+        stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+        prefill_step_size=2048,
+    )
+    uids = gen.insert(cases)
+    out: dict[int, list[int]] = {uid: [] for uid in uids}
+    done: set[int] = set()
+    while len(done) < len(uids):
+        for r in gen.next_generated():
+            if r.token not in tokenizer.eos_token_ids:
+                out[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                done.add(r.uid)
+    gen.close()
+    return [out[uid] for uid in uids]
+
+
+async def test_rows_arriving_together_equal_batch_generator():
+    """The seven short prompts arrive at once: prefilled as one padded batch, as
+    mlx-lm's BatchGenerator does, and token for token what it produces."""
+    cases = prompts()[:7]
+    want = batch_generator_tokens(cases)
+    results = {}
+
+    async def run(i, ids):
+        results[i] = await e.generate(ids, max_tokens=MAX_TOKENS)
+
+    async with checked_engine(
+        smollm2(), batch=8, prompt_cache_size=0, prefill_step_size=2048
+    ) as e:
+        async with trio.open_nursery() as nursery:
+            for i, ids in enumerate(cases):
+                nursery.start_soon(run, i, ids)
+    assert e.stats().prefilled_together >= 2
+    for i, tokens in enumerate(want):
+        assert results[i].tokens == tokens, f"prompt {i}"

@@ -129,12 +129,27 @@ def job(prompt, done=0, started=False):
 def test_plan_turn_shares_the_budget_oldest_first():
     a, b, c = job(range(100)), job(range(200, 210)), job(range(300, 340))
     plan = plan_turn([a, b, c], step_size=64)
-    assert [(j is a, n) for j, n in plan][:1] == [(True, 64)]
-    assert len(plan) == 1, "the oldest takes the whole budget when its prompt needs it"
+    assert plan == [([a], 64)], "the oldest takes the whole budget when its prompt needs it"
     a.done = 99  # its prompt is in but its last token: the prime is all that is left
     plan = plan_turn([a, b, c], step_size=64)
-    assert [(j, n) for j, n in plan] == [(a, 0), (b, 9)]
+    assert plan == [([a], 0), ([b], 9)]
     assert len(plan) == PRIMES_PER_TURN  # a turn ends after two primes
+
+
+def test_plan_turn_prefills_what_fits_together_and_keeps_half_for_the_oldest():
+    a, b, c = job(range(100)), job(range(200, 210)), job(range(300, 340))
+    d = job(range(400, 402))
+    # b and c padded to c's 40 tokens take 80 > 64: no group, a goes alone.
+    assert plan_turn([a, b, c], step_size=64, together=True) == [([a], 64)]
+    assert plan_turn([b, c], step_size=128, together=True) == [([b, c], None)]
+    # The shortest whole prompts go together, first, in arrival order; the oldest
+    # (a, 99 tokens to go) keeps the rest of the turn and is primed in it too.
+    plan = plan_turn([a, b, d], step_size=128, together=True)
+    assert plan == [([b, d], None), ([a], 99)]
+    # With a in the group too, 3 x 100 tokens would pass 256: b and c go together.
+    plan = plan_turn([a, b, c], step_size=256, together=True)
+    assert plan == [([b, c], None), ([a], 99)]
+    assert plan_turn([a, b, c], step_size=512, together=True) == [([a, b, c], None)]
 
 
 def test_plan_turn_holds_back_a_joiner_that_shares_an_earlier_ones_prefix():
@@ -142,11 +157,11 @@ def test_plan_turn_holds_back_a_joiner_that_shares_an_earlier_ones_prefix():
     first = job([*shared, 1, 2, 3], started=True)
     second = job([*shared, 7, 8, 9])
     plan = plan_turn([first, second], step_size=8)
-    assert [j for j, _ in plan] == [first], "the second waits for the shared part"
+    assert plan == [([first], 8)], "the second waits for the shared part"
     assert len(shared) in first.snapshot_at, "the first snapshots where they part"
     first.done = len(shared)
     plan = plan_turn([first, second], step_size=64)
-    assert second in [j for j, _ in plan], "released once the shared part is in"
+    assert any(second in jobs for jobs, _ in plan), "released once the shared part is in"
 
 
 def test_settings_are_checked_once_by_type():
