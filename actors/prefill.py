@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 import trio
+import trio.lowlevel
 
 from .admission import Left, Submit
 from .emitter import Ended, TokenOut, Tokens
@@ -38,6 +39,10 @@ MAILBOX_SIZE = 4096
 # (One a turn put a decode step between every two short prompts; all at once made
 # the first joiner wait for the last.)
 PRIMES_PER_TURN = 2
+
+# Scheduling rounds an idle prefill waits for rows submitted in the same tick.
+GATHER_ROUNDS = 32
+QUIET_ROUNDS = 4
 
 # Joiners sharing at least this many prompt tokens with an earlier joiner wait for
 # its snapshot there instead of computing the shared part again.
@@ -206,14 +211,32 @@ class PrefillActor:
             while True:
                 if not self._active:
                     await self._take(await self.inbox.receive())
-                while True:
-                    try:
-                        await self._take(self.inbox.receive_nowait())
-                    except trio.WouldBlock:
-                        break
+                    await self._gather()
+                await self._drain()
                 await self._drop_ending()
                 if self._active:
                     await self._turn()
+
+    async def _drain(self) -> None:
+        while True:
+            try:
+                await self._take(self.inbox.receive_nowait())
+            except trio.WouldBlock:
+                return
+
+    async def _gather(self) -> None:
+        """Woken from idle by one row: let the rows submitted with it (same tick,
+        a harness fanning out its agents) come through admission first, so the
+        first turn prefills them together. Scheduling rounds only, no timer: it
+        stops at the first round that brings nothing (at most ``GATHER_ROUNDS``)."""
+        quiet = 0
+        for _ in range(GATHER_ROUNDS):
+            await trio.lowlevel.checkpoint()
+            before = len(self._active)
+            await self._drain()
+            quiet = quiet + 1 if len(self._active) == before else 0
+            if quiet >= QUIET_ROUNDS:
+                return
 
     async def _take(self, message: Submit | Cancel | Finish) -> None:
         match message:
