@@ -34,20 +34,27 @@ from .stats import Count, Gauge, Observe, Stats
 
 MAILBOX_SIZE = 4096
 CLEAR_CACHE_EVERY = 256  # steps between mx.clear_cache(), as generate_step does
+# A retired slot waits this many turns for a joiner to be written over it before
+# the batch is compacted (a copy of every row that stays); sooner when half the
+# batch is retired. Each turn it waits costs one row's share of a step.
+RETIRED_TURNS = 8
 
 
 @attrs.frozen
 class StepResult:
-    sampled: list[Sampled | None]  # one per row, in batch order
+    sampled: list[Sampled | None]  # one per slot, in batch order
+    layout: list[int | None]  # the row id in each slot (None: retired), after the joins
     kv_bytes: int
     padding_waste: float
     seconds: float
     copied: int  # KV bytes the joins of this turn copied
+    refilled: int  # joiners written over retired slots this turn
 
 
 @attrs.frozen
 class LeaveResult:
     saved: list[list[Any]]  # the kept rows' caches, in the order asked
+    layout: list[int | None]
     kv_bytes: int
     padding_waste: float
     copied: int  # KV bytes the leave copied (filter, extract)
@@ -69,32 +76,40 @@ class AdvanceResult:
     saved: list[list[Any]]  # the leaving joiners' caches, in ``save`` order
 
 
-def _leave(batch: Batch, keep: list[int], save: list[int]) -> LeaveResult:
-    """Rows not in ``keep`` leave the batch; ``save`` rows' caches come back first
-    (a lone row's own caches, else extracted from the batch). GPU thread."""
+def _leave(batch: Batch, leave: list[int], save: list[int]) -> LeaveResult:
+    """Rows at ``leave`` end (retired in place, or filtered out); ``save`` rows'
+    caches come back first. GPU thread."""
     before = batch.copied
-    saved = batch.split_off(keep, save)
-    return LeaveResult(saved, batch.nbytes, batch.padding_waste(), batch.copied - before)
+    saved = batch.retire(leave, save)
+    copied = batch.copied - before
+    return LeaveResult(saved, batch.layout(), batch.nbytes, batch.padding_waste(), copied)
 
 
-def _advance(batch: Batch, joins: list[Joining], step: int) -> AdvanceResult:
-    """One GPU turn: joiners that left drop out of their groups, the rest join,
-    then one step (GPU thread)."""
+def _advance(batch: Batch, joins: list[Joining], step: int, compact: bool) -> AdvanceResult:
+    """One GPU turn: joiners that left drop out of their groups, the rest join
+    (over retired slots first), the batch is compacted if asked, then one step
+    (GPU thread)."""
     import mlx.core as mx
 
     t0 = time.perf_counter()
     saved = []
-    before = batch.copied
+    before, refilled = batch.copied, batch.refilled
     for j in joins:
         saved += j.batch.split_off(j.keep, j.save)
         before -= j.batch.copied
     batch.join([j.batch for j in joins])
+    if compact:
+        batch.compact()
     copied = batch.copied - before
     sampled = batch.step() if len(batch) else []
     if step % CLEAR_CACHE_EVERY == 0:
         mx.clear_cache()
     seconds = time.perf_counter() - t0
-    step_result = StepResult(sampled, batch.nbytes, batch.padding_waste(), seconds, copied)
+    refilled = batch.refilled - refilled
+    waste = batch.padding_waste()
+    step_result = StepResult(
+        sampled, batch.layout(), batch.nbytes, waste, seconds, copied, refilled
+    )
     return AdvanceResult(step_result, saved)
 
 
@@ -108,9 +123,11 @@ class Decode:
     to_admission: trio.MemorySendChannel
     to_prompt_cache: trio.MemorySendChannel | None
     _batch: Batch = attrs.field(init=False)
-    _rows: list[Row] = attrs.field(factory=list, init=False)  # DECODING, in batch order
+    # DECODING rows in batch order; None: a retired slot (see rows.Batch.retire).
+    _rows: list[Row | None] = attrs.field(factory=list, init=False)
     _joining: list[Join] = attrs.field(factory=list, init=False)  # FIFO
     _turns: int = attrs.field(default=0, init=False)  # GPU turns taken
+    _retired_turns: int = attrs.field(default=0, init=False)  # turns with a retired slot
 
     def __attrs_post_init__(self) -> None:
         self._batch = Batch(self.model)
@@ -119,7 +136,7 @@ class Decode:
         with closing(self.inbox, self.to_emitter, self.to_admission, self.to_prompt_cache):
             task_status.started()
             while True:
-                if not self._rows and not self._joining:
+                if not self._live() and not self._joining:
                     self._take(await self.inbox.receive())
                 while True:
                     try:
@@ -135,7 +152,7 @@ class Decode:
             case Cancel(row_id) | Finish(row_id):
                 joining = (r for j in self._joining for r in j.rows)
                 for row in (*self._rows, *joining):
-                    if row.id == row_id and row.phase is not Phase.ENDED:
+                    if row is not None and row.id == row_id and row.phase is not Phase.ENDED:
                         row.ask(message)
                 # unknown: the row already ended; ending it twice is a no-op
             case _:
@@ -162,16 +179,17 @@ class Decode:
                     save.append(i)
                     saving.append(row)
             taking.append(Joining(join.batch, keep, save))
-        if not joined and not self._rows:
+        if not joined and not self._live():
             if taking:
                 await self._drop_joiners(taking, gone, saving)
             return
         for row in joined:
             row.move(Phase.DECODING)
-        self._rows.extend(joined)
+        self._rows.extend(joined)  # where they go is the batch's to say (the layout)
         self._turns += 1
+        compact = self._compact_due(len(joined))
         try:
-            result = await self.gpu.call(_advance, self._batch, taking, self._turns)
+            result = await self.gpu.call(_advance, self._batch, taking, self._turns, compact)
         except Exception as exc:
             await self._fault(exc)
             for row in gone:
@@ -179,9 +197,10 @@ class Decode:
             return
         await self._freed_joiners(gone, saving, result.saved)
         step = result.step
+        self._relayout(step.layout)
         self._report(step.kv_bytes, step.padding_waste)
-        if step.copied:
-            self.stats.post(Count("kv_copied_bytes", step.copied))
+        if step.copied or step.refilled:
+            self.stats.post(Count("kv_copied_bytes", step.copied), Count("refilled", step.refilled))
         await self._emit(step.sampled)
         if step.sampled:  # counted once its tokens are out: scripts wait on this count
             self.stats.post(Count("steps"), Observe("step_time", step.seconds))
@@ -207,7 +226,7 @@ class Decode:
     async def _emit(self, sampled: list[Sampled | None]) -> None:
         out = []
         for row, s in zip(self._rows, sampled, strict=True):
-            if s is None or row.end is not None:
+            if s is None or row is None or row.end is not None:
                 continue  # a first token already delivered, or a row already ending
             if s.error is not None:  # its own work failed: it alone ends
                 row.ask_end(End(FinishReason.ERROR, s.error))
@@ -226,20 +245,20 @@ class Decode:
         prompt cache), ``Ended`` to the emitter unless their last token in
         ``pending`` carries the end, and their slot back to admission. False when
         the batch failed instead (then :meth:`_fault` has sent ``pending``)."""
-        gone = [r for r in self._rows if r.end is not None]
-        if not gone:
+        leave = [i for i, r in enumerate(self._rows) if r is not None and r.end is not None]
+        if not leave:
             return True
-        keep = [i for i, r in enumerate(self._rows) if r.end is None]
-        save = [i for i, r in enumerate(self._rows) if self._keeps(r)]
+        gone = [self._rows[i] for i in leave]
+        save = [i for i in leave if self._keeps(self._rows[i])]
         try:
-            left = await self.gpu.call(_leave, self._batch, keep, save)
+            left = await self.gpu.call(_leave, self._batch, leave, save)
         except Exception as exc:
             await self._fault(exc, pending)
             return False
         for i, caches in zip(save, left.saved, strict=True):
             row = self._rows[i]
             await self.to_prompt_cache.send(Put(row.prompt + row.tokens, caches))
-        self._rows = [self._rows[i] for i in keep]
+        self._relayout(left.layout)
         self._report(left.kv_bytes, left.padding_waste)
         if left.copied:
             self.stats.post(Count("kv_copied_bytes", left.copied))
@@ -247,6 +266,27 @@ class Decode:
         for row in gone:
             await self._free(row, announced=row.id in announced)
         return True
+
+    def _live(self) -> list[Row]:
+        return [r for r in self._rows if r is not None]
+
+    def _relayout(self, layout: list[int | None]) -> None:
+        """Take the batch's slot order as ``_rows`` (rows that left are gone)."""
+        live = {r.id: r for r in self._live()}
+        self._rows = [None if i is None else live[i] for i in layout]
+
+    def _compact_due(self, joining: int) -> bool:
+        """Compact the retired slots that joiners this turn will not fill, once
+        they have waited ``RETIRED_TURNS`` turns or are half the batch."""
+        retired = self._rows.count(None) - joining
+        if retired <= 0:
+            self._retired_turns = 0
+            return False
+        self._retired_turns += 1
+        if self._retired_turns > RETIRED_TURNS or retired >= len(self._live()):
+            self._retired_turns = 0
+            return True
+        return False
 
     async def _free(self, row: Row, *, announced: bool) -> None:
         row.work = None
@@ -261,7 +301,7 @@ class Decode:
     def _report(self, kv_bytes: int, padding_waste: float) -> None:
         self.stats.post(
             Gauge("batch_kv_bytes", kv_bytes),
-            Gauge("decoding_rows", len(self._rows)),
+            Gauge("decoding_rows", len(self._live())),
             Gauge("padding_waste", padding_waste),
         )
 
@@ -274,7 +314,7 @@ class Decode:
         if pending:
             await self.to_emitter.send(Tokens(pending))
         announced = {o.row.id for o in pending if o.ends}
-        rows, self._rows = self._rows, []
+        rows, self._rows = self._live(), []
         self._batch = Batch(self.model)
         for row in rows:
             row.ask_end(End(FinishReason.ERROR, message))

@@ -243,7 +243,9 @@ class PrefillActor:
             case Submit(row):
                 row.move(Phase.PREFILLING)
                 row.times.prefill_started = trio.current_time()
-                row.work = Prefill(self.model, row.prompt, row.params, self.step_size)
+                row.work = Prefill(
+                    self.model, row.prompt, row.params, self.step_size, row_id=row.id
+                )
                 if row.snapshot_at is not None and 0 < row.snapshot_at < len(row.prompt):
                     row.work.snapshot_at.add(row.snapshot_at)
                 self.stats.post(Count("prompt_tokens", len(row.prompt)))

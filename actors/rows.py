@@ -86,6 +86,14 @@ class Slot:
     # This row's own work failed while building a step (its processors, sampler):
     # the next read ends the row with it. Its siblings are untouched.
     fault: str | None = None
+    row_id: int | None = None  # the row it holds, for the owner's bookkeeping
+    # A retired row's slot: still stepped (its output never read) until a joiner
+    # is written over it in place or the batch is compacted.
+    dead: bool = False
+
+    @classmethod
+    def retired(cls) -> Slot:
+        return cls(SamplingParams(), greedy_sampler, [], None, dead=True)
 
 
 def _merge(solo: Sequence[list[Any]]) -> list[Any]:
@@ -107,6 +115,27 @@ def _blocks(parts: Sequence[Batch]) -> tuple[list[list[Any]], int]:
         if part is not None:
             (blocks if part.batched else solo).append(part.caches)
     return blocks, merged
+
+
+def _row_kv(cache: Any, i: int, batched: bool) -> tuple[mx.array, mx.array]:
+    """Row ``i``'s keys and values, shaped (1, heads, length, dim), no padding."""
+    if not batched:
+        return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+    pad = cache.left_padding[i].item()
+    end = cache._idx
+    return cache.keys[i : i + 1, :, pad:end], cache.values[i : i + 1, :, pad:end]
+
+
+def _write_row(cache: BatchKVCache, d: int, keys: mx.array, values: mx.array) -> None:
+    """Put one row's KV in slot ``d`` of a batch KV cache, right-aligned at its
+    write position, in place (the buffer is updated, not rebuilt)."""
+    n = keys.shape[2]
+    start = cache._idx - n
+    cache.keys[d : d + 1, :, start : cache._idx] = keys
+    cache.values[d : d + 1, :, start : cache._idx] = values
+    here = mx.arange(cache.left_padding.size) == d
+    cache.left_padding = mx.where(here, start, cache.left_padding)
+    cache.offset = mx.where(here, n, cache.offset)
 
 
 def _nbytes(caches: Sequence[Any]) -> int:
@@ -138,6 +167,7 @@ class Batch:
     next_logprobs: list[mx.array] = attrs.field(factory=list)
     # KV bytes copied so far by joins and leaves (merge, extend, filter, extract).
     copied: int = 0
+    refilled: int = 0  # rows written over a retired slot so far
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -146,26 +176,46 @@ class Batch:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches) if self.caches else 0
 
+    @property
+    def dead(self) -> int:
+        return sum(s.dead for s in self.slots)
+
+    def layout(self) -> list[int | None]:
+        """The row id in each slot, in batch order (None: a retired slot)."""
+        return [None if s.dead else s.row_id for s in self.slots]
+
+    @property
+    def reusable(self) -> bool:
+        """Whether a slot can be retired and refilled in place: every layer is a
+        plain batch KV cache, where a row is a stretch of one buffer."""
+        return self.batched and all(type(c) is BatchKVCache for c in self.caches)
+
     def padding_waste(self) -> float:
-        """Fraction of the full-attention KV width that is left padding."""
+        """Fraction of the full-attention KV width that is left padding (a
+        retired slot counts whole)."""
         if not self.batched or not self.caches:
             return 0.0
         kv = _first_kv(self.caches)
         if kv is None or kv._idx == 0:
             return 0.0
         pads = kv.left_padding.tolist()
+        pads = [kv._idx if slot.dead else p for slot, p in zip(self.slots, pads, strict=True)]
         return sum(pads) / (len(pads) * kv._idx)
 
     # -- membership -------------------------------------------------------------
 
     def join(self, joiners: Sequence[Batch]) -> None:
-        """Take the joiners' rows into this batch, by cache kind: adopt a lone
-        joiner's caches when the batch is empty; otherwise merge each run of solo
-        caches (a lone running row's, single joiners') in one pass and extend the
-        batch with the result and with each batched joiner (a group prefilled
-        together). Each row's KV is copied at most twice however many join at once
-        (one extend per solo joiner would recopy the batch each time)."""
+        """Take the joiners' rows into this batch. First into retired slots, in
+        place: only the joiner's own KV is written. The rest by cache kind: adopt
+        a lone joiner's caches when the batch is empty; otherwise merge each run of
+        solo caches (a lone running row's, single joiners') in one pass and extend
+        the batch (compacted first, if slots are still retired) with the result
+        and with each batched joiner (a group prefilled together)."""
         joiners = [j for j in joiners if j.slots]
+        if joiners and self.dead:
+            joiners = [j for j in joiners if self._fill(j)]
+            if joiners:
+                self.compact()
         if not joiners:
             return
         parts = ([self] if self.slots else []) + joiners
@@ -188,15 +238,63 @@ class Batch:
         for j in joiners:
             j.slots, j.caches, j.next_tokens, j.next_logprobs = [], None, None, []
 
-    def split_off(self, keep: Sequence[int], save: Sequence[int]) -> list[list[Any]]:
-        """Rows not in ``keep`` leave; ``save`` rows' caches come back, in the order
-        asked (a lone row's own caches without a copy, else extracted)."""
-        if save and not self.batched:
-            saved = [self.caches]
+    def _fill(self, joiner: Batch) -> bool:
+        """Write the joiner's rows over retired slots where their KV fits before
+        the batch's write position; True when rows are left to join otherwise."""
+        width = self.caches[0]._idx
+        pending = joiner.next_tokens.tolist()
+        placed = []
+        for i, slot in enumerate(joiner.slots):
+            free = [d for d, s in enumerate(self.slots) if s.dead]
+            rows = [_row_kv(c, i, joiner.batched) for c in joiner.caches]
+            if not free or any(k.shape[2] > width for k, _ in rows):
+                continue
+            d = free[0]
+            for c, (k, v) in zip(self.caches, rows, strict=True):
+                _write_row(c, d, k, v)
+                self.copied += k.nbytes + v.nbytes
+            self.slots[d] = slot
+            self.refilled += 1
+            self.next_tokens[d] = pending[i]
+            self.next_logprobs[d] = joiner.next_logprobs[i]
+            placed.append(i)
+        if not placed:
+            return True
+        rest = [i for i in range(len(joiner.slots)) if i not in placed]
+        joiner.filter(rest)
+        return bool(rest)
+
+    def retire(self, leave: Sequence[int], save: Sequence[int]) -> list[list[Any]]:
+        """Rows at ``leave`` end; ``save`` rows' caches come back, in the order
+        asked (a lone row's own caches without a copy, else extracted). Where slots
+        can be refilled in place and rows remain, the leaving slots stay, retired:
+        a joiner is written over them or :meth:`compact` drops them (a copy of the
+        batch it spares when a joiner comes first). Else they are filtered out now."""
+        saved = self._save(save)
+        gone = set(leave)
+        if self.reusable and self.dead + len(gone) < len(self.slots):
+            for i in gone:
+                self.slots[i] = Slot.retired()
         else:
-            saved = [[c.extract(i) for c in self.caches] for i in save]
-            self.copied += sum(_nbytes(s) for s in saved)
+            self.filter([i for i, s in enumerate(self.slots) if i not in gone and not s.dead])
+        return saved
+
+    def compact(self) -> None:
+        """Drop the retired slots (a copy of the rows that stay)."""
+        if self.dead:
+            self.filter([i for i, s in enumerate(self.slots) if not s.dead])
+
+    def split_off(self, keep: Sequence[int], save: Sequence[int]) -> list[list[Any]]:
+        """Rows not in ``keep`` leave now (filtered); ``save`` rows' caches come back."""
+        saved = self._save(save)
         self.filter(keep)
+        return saved
+
+    def _save(self, save: Sequence[int]) -> list[list[Any]]:
+        if save and not self.batched:
+            return [self.caches]  # the lone row's own caches: no copy
+        saved = [[c.extract(i) for c in self.caches] for i in save]
+        self.copied += sum(_nbytes(s) for s in saved)
         return saved
 
     def filter(self, keep: Sequence[int]) -> None:
@@ -293,7 +391,9 @@ class Batch:
         tokens = inputs.tolist()
         out: list[Sampled | None] = []
         for slot, token, lp in zip(self.slots, tokens, current_lp, strict=True):
-            if slot.fault is not None:
+            if slot.dead:
+                out.append(None)
+            elif slot.fault is not None:
                 out.append(Sampled(token, None, None, error=slot.fault))
             elif slot.pending_read:
                 slot.pending_read = False
@@ -334,6 +434,7 @@ class Prefill:
     started: bool = False  # a chunk (or the prime) has run: the take is final
     snapshot_at: set[int] = attrs.field(factory=set)
     snapshots: list[tuple[int, list[Any]]] = attrs.field(factory=list)
+    row_id: int | None = None  # carried into the row's batch slot
 
     def start_from(self, caches: list[Any] | None, cached: int) -> None:
         """Begin from a prompt-cache take (no caches: from scratch)."""
@@ -381,7 +482,7 @@ class Prefill:
     def slot(self) -> Slot:
         sampler, processors = build_sampling(self.params)
         context = TokenBuffer(self.prompt[:-1]) if processors else None
-        return Slot(self.params, sampler, processors, context)
+        return Slot(self.params, sampler, processors, context, row_id=self.row_id)
 
     def prime(self) -> Batch:
         self._start()

@@ -84,7 +84,7 @@ COUNTERS = (
     "steps", "prompt_tokens", "prefill_tokens", "generated_tokens", "batch_faults", "row_faults",
     "dropped_stats", "overloaded", "queue_timeouts", "stalls",
     "prompt_cache_hits", "prompt_cache_misses", "prompt_cache_hit_tokens",
-    "prefilled_together", "kv_copied_bytes",
+    "prefilled_together", "kv_copied_bytes", "refilled",
 )  # fmt: skip
 # Each gauge has one writer: admission (rows), decode (batch_*), prefill (prefill_*),
 # serial (serial_*).
@@ -132,6 +132,7 @@ class StatsSnapshot:
     prompt_cache_hit_tokens: int
     prefilled_together: int  # rows whose prompts were prefilled as one padded batch
     kv_copied_bytes: int  # KV bytes copied by the batch's joins and leaves
+    refilled: int  # joiners written in place over a finished row's retired slot
     time_to_first_token: HistogramSnapshot
     queue_wait: HistogramSnapshot
     step_time: HistogramSnapshot

@@ -52,10 +52,16 @@ CHAT = [
 # Scripted continuous-batching scenarios: (prompt name, insert at step, max_tokens).
 # A "step" is one call of BatchGenerator.next(). Rows leave at different steps
 # (different max_tokens, or EOS); "joins" inserts rows mid-decode, one of them a
-# long prompt whose prefill spans several chunks.
+# long prompt whose prefill spans several chunks; "refill" has rows join after
+# another left.
 SCENARIOS: dict[str, list[tuple[str, int, int]]] = {
     "static": [("short", 0, 12), ("sentence", 0, 30), ("utf8", 0, 20), ("long", 0, 25)],
     "joins": [("sentence", 0, 36), ("long", 3, 24), ("short", 8, 10), ("utf8", 8, 28)],
+    # A row leaves, then others join: one into the slot it left (its prompt fits
+    # the batch's width), one too long for it (the batch is compacted and extended).
+    "refill": [
+        ("short", 0, 4), ("sentence", 0, 30), ("utf8", 0, 26), ("short", 6, 8), ("long", 10, 12),
+    ],
 }
 
 

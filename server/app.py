@@ -44,6 +44,7 @@ from .protocol import (
     full_response,
     parse_chat,
     parse_completion,
+    sse_frame,
 )
 
 log = logging.getLogger("mlx_nursery.server")
@@ -452,27 +453,25 @@ async def _responses_sse(stream, shaper: responses.StreamShaper):
         raise  # the client went away: leaving `async with stream` cancelled the row
 
 
-def _sse_data(body: Any) -> bytes:
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-
 def _frames(event, shaper: ChunkShaper, parsed: Parsed) -> tuple[bytes, bool]:
     """The SSE frames for one event, and whether the stream ends with it."""
     if event.terminal and not event.finish_reason.finished:
         message = event.error or "the request was cancelled"
         kind = "server_error" if event.finish_reason is FinishReason.ERROR else "cancelled"
-        return _sse_data(ApiError(500, message, type=kind, code=event.error_code).body()), True
+        return sse_frame(ApiError(500, message, type=kind, code=event.error_code).body()), True
+    if shaper.plain(event):
+        return shaper.text_frame(event.text), False
     out = b""
     chunk = shaper.chunk(event)
     if chunk is not None and (event.text or event.reasoning):  # then the calls it preceded
-        out += _sse_data(chunk)
+        out += sse_frame(chunk)
         chunk = None
     for tool_chunk in shaper.tool_chunks(event):
-        out += _sse_data(tool_chunk)
+        out += sse_frame(tool_chunk)
     if chunk is not None:
-        out += _sse_data(chunk)
+        out += sse_frame(chunk)
     if event.terminal and parsed.include_usage and event.usage is not None:
-        out += _sse_data(shaper.usage_chunk(event.usage))
+        out += sse_frame(shaper.usage_chunk(event.usage))
     return out, event.terminal
 
 

@@ -216,6 +216,14 @@ class Server:
         self.proc.kill()
         raise RuntimeError(f"{self.name} did not start")
 
+    def loop_cpu(self) -> float:
+        """CPU seconds the server's main thread (its event loop: HTTP, SSE and the
+        actors; the GPU thread and BLAS threads apart) has used so far. Linux."""
+        pid = self.proc.pid
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
         try:
@@ -286,7 +294,10 @@ def http(model: str, repeats: int, tokenizer) -> dict:
             load(server, 8, 8)  # warm-up
         for _ in range(repeats):
             for key, server in (("ours", ours), ("mlx_lm", theirs)):
+                cpu = server.loop_cpu()
                 r = load(server, 8, 16)
+                # Per streamed token: every token is one SSE chunk unless events queue up.
+                r["loop_ms_per_token"] = (server.loop_cpu() - cpu) * 1e3 / r["completion_tokens"]
                 out["headline"][key].append(r)
                 print(f"  http 8 clients {server.name}: {r['aggregate_tokens_per_second']:.1f} "
                       f"tok/s, TTFT p95 {r['ttft_p95'] * 1e3:.0f} ms, /health p99 "
@@ -324,6 +335,7 @@ def http_rows(h: dict) -> list[tuple[str, dict, dict, str]]:
         ("inter-token p50 (ms)", "itl_p50", 1e3, "lower"),
         ("/health p99 (ms)", "health_p99", 1e3, "lower"),
         ("/health max (ms)", "health_max", 1e3, "lower"),
+        ("main-thread CPU per streamed token (ms)", "loop_ms_per_token", 1.0, "lower"),
     ):
         a, b = col("ours", field), col("mlx_lm", field)
         a = {k: (v * scale if k != "all" else v) for k, v in a.items()}

@@ -29,6 +29,7 @@ _COUNTERS = {
     "prompt_cache_hit_tokens": ("prompt_cache_hit_tokens_total", "Prompt tokens served cached."),
     "prefilled_together": ("prefilled_together_total", "Rows prefilled in one padded batch."),
     "kv_copied_bytes": ("kv_copied_bytes_total", "KV bytes copied by batch joins and leaves."),
+    "refilled": ("joins_in_place_total", "Joiners written over a retired batch slot."),
 }
 _GAUGES = {
     "configured": ("batch_configured", "The concurrency cap (--batch)."),

@@ -8,6 +8,7 @@ functions shape engine results into OpenAI's objects.
 from __future__ import annotations
 
 import enum
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -343,6 +344,11 @@ def full_response(parsed: Parsed, model: str, result: Result, tokenizer) -> dict
     }
 
 
+def sse_frame(body: Any) -> bytes:
+    """One server-sent event carrying ``body`` as compact JSON."""
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
 @attrs.define
 class ChunkShaper:
     """Shapes one stream's events into OpenAI chunks (keeps the id and text offset)."""
@@ -356,8 +362,37 @@ class ChunkShaper:
     offset: int = 0
     calls: int = 0  # tool calls streamed so far (their indices)
 
+    # A plain text chunk's bytes around its JSON-encoded text (see text_frame).
+    _head: bytes = attrs.field(init=False, repr=False)
+    _tail: bytes = attrs.field(init=False, repr=False)
+
     def __attrs_post_init__(self) -> None:
         self.id = new_id("chatcmpl" if self.parsed.style is Style.CHAT else "cmpl")
+        marker = "\x00"
+        if self.parsed.style is Style.CHAT:
+            choice = {"index": 0, "delta": {"content": marker}, "finish_reason": None,
+                      "logprobs": None}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": marker, "finish_reason": None, "logprobs": None}
+        head, tail = sse_frame(self._wrap([choice])).split(json.dumps(marker).encode())
+        self._head, self._tail = head, tail
+
+    def plain(self, event: Event) -> bool:
+        """Whether the event is only more text (most of a stream): see text_frame."""
+        return (
+            self.sent_role
+            and bool(event.text)
+            and event.finish_reason is None
+            and event.logprob is None
+            and not event.reasoning
+            and not event.tool_calls
+        )
+
+    def text_frame(self, text: str) -> bytes:
+        """The SSE frame of a plain text chunk, from bytes encoded once per stream:
+        only the text is JSON-encoded per token. Equal to ``sse_frame(chunk(...))``."""
+        self.offset += len(text)
+        return self._head + json.dumps(text).encode() + self._tail
 
     def _wrap(self, choices: list[dict]) -> dict:
         chat = self.parsed.style is Style.CHAT

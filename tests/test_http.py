@@ -370,3 +370,35 @@ class socket_port:
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_plain_text_frame_is_the_chunk_it_stands_for(kind):
+    """The pre-encoded fast path writes the same JSON the full chunk would."""
+    from mlx_nursery.actors import Event, FinishReason
+    from mlx_nursery.server.protocol import (
+        ChunkShaper,
+        Defaults,
+        parse_chat,
+        parse_completion,
+        sse_frame,
+    )
+
+    if kind == "chat":
+        parsed = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, Defaults())
+    else:
+        parsed = parse_completion({"prompt": "hi"}, Defaults())
+    fast, full = ChunkShaper(parsed, 'm"odel', None), ChunkShaper(parsed, 'm"odel', None)
+    full.id, full.created = fast.id, fast.created
+    first = Event(1, "Hi")
+    assert not fast.plain(first) or kind == "completion"
+    fast.sent_role = full.sent_role = True
+    for text in ("Hi", ' "quoted" \\ ', "Grüße 東京 🌸", "\n\t\x01"):
+        event = Event(2, text)
+        assert fast.plain(event)
+        frame = fast.text_frame(text)
+        assert frame == sse_frame(full.chunk(event))
+        assert json.loads(frame.removeprefix(b"data: "))["id"] == full.id
+    assert fast.offset == full.offset
+    assert not fast.plain(Event(3, "x", logprob=-0.5))
+    assert not fast.plain(Event(None, "", finish_reason=FinishReason.STOP))

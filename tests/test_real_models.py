@@ -164,9 +164,7 @@ async def test_rows_arriving_together_equal_batch_generator():
     async def run(i, ids):
         results[i] = await e.generate(ids, max_tokens=MAX_TOKENS)
 
-    async with checked_engine(
-        smollm2(), batch=8, prompt_cache_size=0, prefill_step_size=2048
-    ) as e:
+    async with checked_engine(smollm2(), batch=8, prompt_cache_size=0, prefill_step_size=2048) as e:
         async with trio.open_nursery() as nursery:
             for i, ids in enumerate(cases):
                 nursery.start_soon(run, i, ids)

@@ -13,6 +13,7 @@ import trio
 import trio.testing
 from conftest import FaultyModel, checked_engine, golden, loaded
 from mlx_nursery.actors import GenerationFailed, open_engine
+from mlx_nursery.actors.decode import RETIRED_TURNS
 
 FAMILY = "llama"
 
@@ -102,6 +103,11 @@ async def test_a_row_cancelled_at_step_k_leaves_and_frees_its_kv():
         assert before.decoding_rows == 3
         scopes["utf8"][0].cancel()
         await engine.wait_step(engine.steps + 2)  # one step to see it, one to be sure
+        await settle(engine)
+        assert engine.stats().decoding_rows == 2
+        # Its slot waits a few turns for a joiner to be written over it, then the
+        # batch is compacted and the KV freed.
+        await engine.wait_step(engine.steps + RETIRED_TURNS + 2)
         await settle(engine)
         after = engine.stats()
         assert after.decoding_rows == 2
