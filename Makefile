@@ -52,12 +52,14 @@ serve: install openblas
 # Engine and server against mlx-lm on the 30M benchmark model (built once into
 # ~/.cache/mlx-nursery), then on the real default model (SmolLM2-135M-Instruct,
 # dequantized to float32); writes docs/benchmarks.md, docs/bench/. About 40 minutes.
+# `make bench PEERS=1` adds vllm-mlx and rapid-mlx (own venvs in ~/.cache/mlx-nursery/peers,
+# installed on first use: each pulls torch, about 6.5 GB and 3 minutes).
 BENCH_MODEL ?= $(HOME)/.cache/mlx-nursery/bench-llama-30m
 bench: install openblas
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	$(BIN)/python goldens/make_bench_model.py --if-missing --out $(BENCH_MODEL)
-	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL)
-	$(BIN)/python -m mlx_nursery.server.benchsuite --real
+	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL) $(if $(PEERS),--peers)
+	$(BIN)/python -m mlx_nursery.server.benchsuite --real $(if $(PEERS),--peers)
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
 # prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.
