@@ -295,7 +295,10 @@ PEERS = {
             "default_model",
         ],
     ),
-    "rapid-mlx": ("rapid-mlx==0.16.10", ["rapid-mlx", "serve", "{model}"]),
+    "rapid-mlx": (
+        "rapid-mlx==0.16.10",
+        ["rapid-mlx", "serve", "{model}", "--served-model-name", "default_model"],
+    ),
 }
 MLX_CPU = "mlx[cpu]==0.32.4"
 
