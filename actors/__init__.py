@@ -13,13 +13,25 @@ from .errors import (
     Overloaded,
 )
 from .loading import ModelInfo
-from .request import Event, FinishReason, Lane, Result, SamplingParams, TopLogprob, Usage
+from .request import (
+    CacheReason,
+    CacheReport,
+    Event,
+    FinishReason,
+    Lane,
+    Result,
+    SamplingParams,
+    TopLogprob,
+    Usage,
+)
 from .settings import EngineSettings
 from .stats import HistogramSnapshot, StatsSnapshot
 from .stream import RequestStream
 from .tools import ToolCall
 
 __all__ = [
+    "CacheReason",
+    "CacheReport",
     "ContextOverflow",
     "Engine",
     "EngineClosed",
@@ -35,6 +47,7 @@ __all__ = [
     "Overloaded",
     "RequestStream",
     "Result",
+    "RowView",
     "SamplingParams",
     "StatsSnapshot",
     "ToolCall",

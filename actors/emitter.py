@@ -256,4 +256,5 @@ def usage_of(row: Row, d: _Delivery, finished: float) -> Usage:
         time_to_first_token=None if d.first_token_at is None else d.first_token_at - t.submitted,
         prefill_tokens_per_second=prefill_rate,
         decode_tokens_per_second=decode_rate,
+        cache=row.cache_report,
     )

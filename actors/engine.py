@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -37,7 +38,7 @@ from .mailbox import Mailbox
 from .prefill import PrefillActor
 from .prompt_cache import PromptCacheActor
 from .request import Result
-from .row import Cancel, Row
+from .row import Cancel, Phase, Row, RowView, view
 from .serial import Serial
 from .settings import EngineSettings
 from .stats import Count, Stats, StatsSnapshot
@@ -58,6 +59,8 @@ class Engine:
     _to_admission: trio.MemorySendChannel
     _gpu: Gpu
     _closed: bool = False
+    # Submitted rows, for `live`; a row drops out once nothing else holds it.
+    _live: weakref.WeakValueDictionary = attrs.field(factory=weakref.WeakValueDictionary)
 
     # -- the API ----------------------------------------------------------------
 
@@ -69,12 +72,22 @@ class Engine:
         """
         if self._closed:
             raise EngineClosed("the engine is shutting down and takes no new requests")
+        request_id = params.pop("request_id", None)
         try:
             row, receive = self.intake.row(prompt, params)
         except InvalidRequest:
             self.stats_actor.post(Count("rejected"))
             raise
+        row.request_id = None if request_id is None else str(request_id)
+        self._live[row.id] = row
         return RequestStream(self, row, row.id, row.params, receive)
+
+    def live(self) -> list[RowView]:
+        """Every live row (queued, prefilling, decoding, serial), oldest first: a
+        read-only view for dashboards (see :func:`row.view`)."""
+        now = trio.current_time()
+        rows = [r for r in list(self._live.values()) if r.phase is not Phase.ENDED]
+        return [view(r, now) for r in sorted(rows, key=lambda r: r.id)]
 
     async def generate(self, prompt: Prompt, **params: Any) -> Result:
         """Run one request to its end; raises :class:`GenerationFailed` on an error event."""
@@ -93,6 +106,30 @@ class Engine:
     def encode(self, prompt: Prompt, **params: Any) -> list[int]:
         """The token ids ``submit`` would run for ``prompt`` (tools rendered in)."""
         return self.intake.prompt(prompt, params)[1]
+
+    def message_at(self, messages: list, position: int, **params: Any) -> int | None:
+        """Which chat message holds prompt token ``position`` (e.g. where a prompt
+        diverged from the cache): a binary search over rendered prefixes, about
+        log2(len(messages)) template renders. None when the template does not
+        render a conversation's prefixes as prefixes of it."""
+
+        def start(m: int) -> int:  # where message m starts
+            boundary = self.intake.prompt(messages[: m + 1], params)[2] if m else 0
+            if boundary is None:
+                raise LookupError(m)
+            return boundary
+
+        lo, hi = 0, len(messages) - 1
+        try:
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if start(mid) <= position:
+                    lo = mid
+                else:
+                    hi = mid - 1
+        except (LookupError, InvalidRequest):
+            return None
+        return lo
 
     def project(self, tokens: int) -> int:
         """Worst-case KV bytes of one row holding ``tokens`` tokens (the budget's unit)."""

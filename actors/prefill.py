@@ -26,7 +26,7 @@ from .admission import Left, Submit
 from .emitter import Ended, TokenOut, Tokens
 from .gpu import Gpu
 from .mailbox import closing
-from .prompt_cache import EntryKind, Put, take
+from .prompt_cache import EntryKind, Put, shared_prefix, take
 from .request import FinishReason
 from .row import Cancel, End, Finish, Phase, Row
 from .rows import Batch, Prefill, Sampled, prefill_together
@@ -78,14 +78,6 @@ class _Done:
 
 # A unit of a turn: one joiner with its token budget, or a group (budget None).
 Unit = tuple[list[Prefill], int | None]
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def prefill_turn(plan: list[Unit]) -> list[_Done]:
@@ -277,7 +269,7 @@ class PrefillActor:
             if not row.work.taken:
                 hit = await take(self.to_prompt_cache, row.prompt)
                 row.work.start_from(hit.caches, hit.cached)
-                row.cached_tokens = row.work.done
+                row.cached_tokens, row.cache_report = row.work.done, hit.report
         min_shared = MIN_SHARED_TOGETHER if self.together else MIN_SHARED
         if self.to_prompt_cache is None:
             min_shared = None

@@ -20,9 +20,11 @@ this actor's own task only, so the store has one owner.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -30,6 +32,7 @@ import trio
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from .gpu import Gpu
+from .request import CacheReason, CacheReport
 from .row import Row
 from .stats import Count, Gauge, Stats
 
@@ -68,14 +71,62 @@ def clone(cache: Any) -> Any:
 class Hit:
     caches: list[Any] | None  # None: nothing usable
     cached: int  # prompt tokens already in ``caches``
+    report: CacheReport | None = None  # why that much (and no more)
+
+
+# Evicted entries' token ids (no KV) kept to tell "evicted" from "never cached".
+EVICTED_KEPT = 32
+
+
+class _RecordingLRU:
+    """mlx-lm's LRU order, noting the tokens of every entry it gives up (its
+    ``pop`` is only called to evict, by entry count or bytes)."""
+
+    def __init__(self, inner: Any, evicted: collections.deque) -> None:
+        self._inner, self._evicted = inner, evicted
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def pop(self) -> Any:
+        model, tokens = self._inner.pop()
+        self._evicted.append(tuple(tokens))
+        return model, tokens
 
 
 class Store(LRUPromptCache):
     """mlx-lm's LRU prompt cache with a copy-free, prefix-strict take (GPU thread)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._evicted: collections.deque = collections.deque(maxlen=EVICTED_KEPT)
+        self._lru = _RecordingLRU(self._lru, self._evicted)
+
     def take(self, tokens: list[int]) -> Hit:
-        limit = len(tokens) - 1  # the last prompt token is always forwarded
+        """The longest usable cached prefix of ``tokens``, with its report."""
         found = self._trie.search(KEY, tokens)
+        hit = self._take(tokens, found)
+        shared = max(found.common_prefix, len(found.shorter or ()), hit.cached)
+        if found.exact is not None:
+            shared = len(tokens)
+        return attrs.evolve(hit, report=self._report(tokens, shared, hit.cached))
+
+    def _report(self, tokens: list[int], shared: int, cached: int) -> CacheReport:
+        if cached >= len(tokens) - 1:
+            return CacheReport(CacheReason.FULL, cached, shared)
+        if shared > cached:
+            return CacheReport(CacheReason.NOT_TRIMMABLE, cached, shared, diverged_at=cached)
+        gone = max((shared_prefix(tokens, old) for old in self._evicted), default=0)
+        if gone > shared:
+            return CacheReport(CacheReason.EVICTED, cached, gone, diverged_at=cached)
+        reason = CacheReason.DIVERGED if shared else CacheReason.NO_ENTRY
+        return CacheReport(reason, cached, shared, diverged_at=shared)
+
+    def _take(self, tokens: list[int], found: Any) -> Hit:
+        limit = len(tokens) - 1  # the last prompt token is always forwarded
         short = len(found.shorter) if found.shorter is not None else 0
         candidates = []
         if found.exact is not None:
@@ -186,11 +237,20 @@ class PromptCacheActor:
                 raise TypeError(f"prompt cache got an unexpected message: {message!r}")
 
 
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two prompts share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 async def take(to_cache: trio.MemorySendChannel | None, tokens: list[int]) -> Hit:
     """Ask the prompt cache (through its mailbox) for the longest usable cached
     prefix of ``tokens``: a request-reply any actor can make from its own task."""
     if to_cache is None:
-        return Hit(None, 0)
+        return Hit(None, 0, CacheReport(CacheReason.DISABLED))
     send, receive = trio.open_memory_channel(1)
     await to_cache.send(Take(tokens, send))
     with receive:

@@ -207,6 +207,31 @@ class SamplingParams:
         )
 
 
+class CacheReason(enum.StrEnum):
+    """Why a prompt reused what it did from the prompt cache."""
+
+    FULL = "full"  # every prompt token but the last came from the cache
+    NO_ENTRY = "no_entry"  # no cached prompt shares even its first token
+    DIVERGED = "diverged"  # the nearest cached prompt differs at ``diverged_at``
+    EVICTED = "evicted"  # a longer shared prefix was cached, but evicted (entry or byte cap)
+    NOT_TRIMMABLE = "not_trimmable"  # an entry shares more, but its cache kind cannot be cut there
+    DISABLED = "disabled"  # the engine runs without a prompt cache
+    SERIAL = "serial"  # not looked up: a request whose lane does not reuse
+
+
+@attrs.frozen
+class CacheReport:
+    """What the prompt cache gave one request, and where it fell short."""
+
+    reason: CacheReason
+    cached: int = 0  # prompt tokens reused
+    # The longest prefix any cached (or recently evicted) prompt shares with this
+    # one; where it stops is where the prompt diverged from it.
+    shared: int = 0
+    diverged_at: int | None = None  # first prompt position not reusable (None: full reuse)
+    message: int | None = None  # the chat message holding it, where the caller worked it out
+
+
 @attrs.frozen
 class Usage:
     prompt_tokens: int
@@ -216,6 +241,7 @@ class Usage:
     time_to_first_token: float | None  # seconds from submit to the first token
     prefill_tokens_per_second: float | None
     decode_tokens_per_second: float | None
+    cache: CacheReport | None = None  # the prompt-cache lookup, where there was one
 
     @property
     def total_tokens(self) -> int:

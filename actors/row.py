@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import trio
 
-from .request import FinishReason, Lane, SamplingParams
+from .request import CacheReport, FinishReason, Lane, SamplingParams
 
 
 class Phase(enum.Enum):
@@ -105,8 +105,10 @@ class Row:
     snapshot_at: int | None = None
     kv_projected: int = 0  # worst-case KV bytes (prompt + max_tokens), for the budget
     starts_thinking: bool = False  # the prompt opens a think block the answer continues
+    request_id: str | None = None  # the client's label for it (dashboards, logs)
     phase: Phase = Phase.QUEUED
     cached_tokens: int = 0  # prompt tokens taken from the prompt cache
+    cache_report: CacheReport | None = attrs.field(default=None, repr=False)  # and why
     # Generated tokens read so far, the first one included. In the continuous lane a
     # token is read once it has also been fed: these are exactly what the KV holds.
     tokens: list[int] = attrs.field(factory=list, repr=len)
@@ -145,3 +147,44 @@ class Row:
         if isinstance(message, Cancel):
             return self.ask_end(End(FinishReason.CANCELLED, message.reason))
         return self.ask_end(End(message.reason, message.detail))
+
+
+@attrs.frozen
+class RowView:
+    """A read-only look at one live row, for dashboards: figures only, no text."""
+
+    id: int
+    request_id: str | None
+    lane: str
+    phase: str
+    prompt_tokens: int
+    cached_tokens: int
+    prefilled: int | None  # prompt tokens in so far, while prefilling
+    tokens: int  # generated so far
+    age: float  # seconds since submit
+    time_to_first_token: float | None
+    tokens_per_second: float | None
+
+
+def view(row: Row, now: float) -> RowView:
+    """Taken on the event loop between actor steps: it reads the record, changes
+    nothing and makes no GPU call (a prefill's progress is one int its job keeps)."""
+    t = row.times
+    first = t.prefill_ended
+    prefilled = getattr(row.work, "done", None) if row.phase is Phase.PREFILLING else None
+    rate = None
+    if first is not None and len(row.tokens) > 1 and now > first:
+        rate = (len(row.tokens) - 1) / (now - first)
+    return RowView(
+        id=row.id,
+        request_id=row.request_id,
+        lane=str(row.lane),
+        phase=row.phase.value,
+        prompt_tokens=len(row.prompt),
+        cached_tokens=row.cached_tokens,
+        prefilled=prefilled,
+        tokens=len(row.tokens),
+        age=now - t.submitted,
+        time_to_first_token=None if first is None else first - t.submitted,
+        tokens_per_second=rate,
+    )

@@ -138,6 +138,15 @@ def _write_row(cache: BatchKVCache, d: int, keys: mx.array, values: mx.array) ->
     cache.offset = mx.where(here, n, cache.offset)
 
 
+def _extracted(caches: Sequence[Any], i: int) -> list[Any]:
+    """Row ``i``'s caches out of a batch, copied now: a lazy extract would keep
+    the whole batch buffer alive in the prompt cache (and stop the batch's next
+    write into it from happening in place)."""
+    out = [c.extract(i) for c in caches]
+    mx.eval([c.state for c in out])
+    return out
+
+
 def _nbytes(caches: Sequence[Any]) -> int:
     return sum(c.nbytes for c in caches)
 
@@ -293,7 +302,7 @@ class Batch:
     def _save(self, save: Sequence[int]) -> list[list[Any]]:
         if save and not self.batched:
             return [self.caches]  # the lone row's own caches: no copy
-        saved = [[c.extract(i) for c in self.caches] for i in save]
+        saved = [_extracted(self.caches, i) for i in save]
         self.copied += sum(_nbytes(s) for s in saved)
         return saved
 
@@ -530,7 +539,7 @@ def prefill_together(jobs: Sequence[Prefill]) -> Batch:
                 c.finalize()
         mx.eval([c.state for c in caches])
         for i, (job, n) in enumerate(zip(jobs, takes, strict=True)):
-            job.advanced(n, lambda i=i: [c.extract(i) for c in caches])
+            job.advanced(n, lambda i=i: _extracted(caches, i))
         mx.clear_cache()
     batch = Batch(jobs[0].model, [job.slot() for job in jobs], caches, batched=True)
     batch.next_tokens = mx.array([job.prompt[-1] for job in jobs])

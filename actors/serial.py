@@ -119,6 +119,7 @@ class Serial:
             self.stats.post(Count("prompt_tokens", len(row.prompt)))
             hit = await take(self.to_prompt_cache, row.prompt)
             row.cached_tokens = hit.cached if hit.caches is not None else 0
+            row.cache_report = hit.report
             gen = await self.gpu.call(
                 _Generation.start, self.model, row, self.prefill_step_size, hit
             )

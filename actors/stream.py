@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -29,6 +30,9 @@ class RequestStream:
     params: SamplingParams
     _receive: trio.MemoryReceiveChannel
     _ended: bool = False  # the terminal event has been read
+    # Called with the terminal event as it is read, in the reader's task; what it
+    # returns is handed out instead (the server adds what it knows, then records).
+    on_end: Callable[[Event], Event] | None = None
 
     async def start(self) -> None:
         """Queue the request (entering the stream does this when not done yet).
@@ -86,9 +90,7 @@ class RequestStream:
         if none is, and :class:`trio.EndOfChannel` after the terminal event."""
         if self._ended:
             raise trio.EndOfChannel
-        event = self._receive.receive_nowait()
-        self._ended = event.terminal
-        return event
+        return self._seen(self._receive.receive_nowait())
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -100,5 +102,10 @@ class RequestStream:
             event = await self._receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise StopAsyncIteration from None
+        return self._seen(event)
+
+    def _seen(self, event: Event) -> Event:
         self._ended = event.terminal
+        if event.terminal and self.on_end is not None:
+            return self.on_end(event)
         return event

@@ -15,6 +15,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -22,6 +23,7 @@ import trio
 from mlx_nursery.actors import (
     Engine,
     EngineSettings,
+    Event,
     FinishReason,
     GenerationFailed,
     InvalidRequest,
@@ -32,7 +34,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from . import anthropic, responses
+from . import anthropic, dashboard, responses
 from .metrics import prometheus, stats_json
 from .models import short_id
 from .protocol import (
@@ -46,6 +48,7 @@ from .protocol import (
     parse_completion,
     sse_frame,
 )
+from .request_log import RequestLog, record_of
 
 log = logging.getLogger("mlx_nursery.server")
 
@@ -74,6 +77,7 @@ class Settings:
     keep_alive_timeout: float = 75.0  # an idle keep-alive connection is closed after this
     max_header_bytes: int = 16 * 1024  # request line and headers beyond this are refused
     body_timeout: float = 30.0  # seconds for the whole request body to arrive (else 408)
+    request_log: Path | None = None  # one JSON line per finished request (no prompt text)
 
 
 class ServerPhase(enum.StrEnum):
@@ -100,8 +104,12 @@ class ServerState:
     phase: ServerPhase = ServerPhase.STARTING
     error: str | None = None
     failed: trio.Event = attrs.field(factory=trio.Event)
+    requests: RequestLog = attrs.field(init=False)
     _stop: trio.Event = attrs.field(factory=trio.Event)
     _stopped: trio.Event = attrs.field(factory=trio.Event)
+
+    def __attrs_post_init__(self) -> None:
+        self.requests = RequestLog(self.settings.request_log)
 
     @property
     def model_id(self) -> str:
@@ -236,8 +244,10 @@ class Routes:
     async def _start(self, engine: Engine, parsed: Parsed) -> Any:
         """Submit and queue the request: a bad one is a 400, a full queue a 429,
         both before any byte of a stream."""
+        request_id = request.headers.get("X-Request-Id") or f"req-{uuid.uuid4().hex[:16]}"
         try:
-            stream = engine.submit(parsed.prompt, **parsed.params)
+            stream = engine.submit(parsed.prompt, request_id=request_id, **parsed.params)
+            stream.on_end = self._on_end(engine, parsed, request_id)
             await stream.start()
         except InvalidRequest as exc:
             raise bad(str(exc), parsed.field(exc.param)) from None
@@ -247,6 +257,26 @@ class Routes:
                 retry_after=math.ceil(exc.retry_after),
             ) from None  # fmt: skip
         return stream
+
+    def _on_end(self, engine: Engine, parsed: Parsed, request_id: str) -> Callable[[Event], Event]:
+        """What the server adds to a request's terminal event (in the handler's
+        task, never the engine's): the chat message a cache miss diverged in; and
+        the request's record (recent requests, the request log)."""
+        api = request.path.rsplit("/", 1)[-1]
+
+        def on_end(event: Event) -> Event:
+            cache = event.usage.cache if event.usage is not None else None
+            prompt = parsed.prompt
+            chat = isinstance(prompt, list) and any(isinstance(m, dict) for m in prompt)
+            if cache is not None and cache.diverged_at is not None and chat:
+                params = _prompt_params(parsed.params)
+                message = engine.message_at(parsed.prompt, cache.diverged_at, **params)
+                cache = attrs.evolve(cache, message=message)
+                event = attrs.evolve(event, usage=attrs.evolve(event.usage, cache=cache))
+            self.state.requests.record(record_of(event, request_id=request_id, api=api))
+            return event
+
+        return on_end
 
     async def _result(self, stream: Any) -> Any:
         try:
@@ -279,11 +309,24 @@ class Routes:
         return _json({"status": self.state.phase.value, "error": self.state.error}, status=503)
 
     async def stats(self) -> Response:
-        return _json(stats_json(self.state.engine_or_503().stats()))
+        body = stats_json(self.state.engine_or_503().stats())
+        body["recent_requests"] = list(self.state.requests.recent)
+        return _json(body)
+
+    async def dashboard(self) -> Response:
+        """The live page: self-contained, fed by /dashboard/events."""
+        return Response(dashboard.page(), content_type="text/html; charset=utf-8")
+
+    async def dashboard_events(self) -> Response:
+        return _event_stream(dashboard.feed(self.state))
+
+    async def dashboard_snapshot(self) -> Response:
+        return _json(dashboard.snapshot(self.state))
 
     async def metrics(self) -> Response:
-        text = prometheus(self.state.engine_or_503().stats())
-        return Response(text, content_type="text/plain; version=0.0.4")
+        accept = request.headers.get("Accept", "")
+        body, content_type = prometheus(self.state.engine_or_503().stats(), accept)
+        return Response(body, content_type=content_type)
 
     def _check_model(self, parsed: Parsed) -> None:
         name, served = parsed.model, self.state.model_id
@@ -310,17 +353,19 @@ class Routes:
         return _json(full_response(parsed, self.state.model_id, result, engine.tokenizer))
 
     def authorize(self) -> None:
-        """With an API key set, /v1 (and, when protected, /stats and /metrics) need
-        it as a bearer token or ``x-api-key``; compared in constant time."""
+        """With an API key set, /v1 (and, when protected, /stats, /metrics and the
+        dashboard) need it as a bearer token or ``x-api-key`` (the dashboard also
+        takes ``?key=``); compared in constant time."""
         key = self.settings.api_key
         path = request.path
-        guarded = path.startswith("/v1/") or (
-            self.settings.protect_stats and path in ("/stats", "/metrics")
-        )
+        watch = path in ("/stats", "/metrics", "/", "/dashboard/events", "/dashboard/snapshot")
+        guarded = path.startswith("/v1/") or (self.settings.protect_stats and watch)
         if key is None or not guarded or request.method == "OPTIONS":
             return
         auth = request.headers.get("Authorization", "")
         given = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
+        if given is None and watch:
+            given = request.args.get("key")  # a browser's EventSource cannot send headers
         if given is None or not hmac.compare_digest(given.encode(), key.encode()):
             raise ApiError(
                 401,
@@ -378,6 +423,9 @@ def create_app(settings: Settings) -> QuartTrio:
         ("/health", routes.health),
         ("/stats", routes.stats),
         ("/metrics", routes.metrics),
+        ("/", routes.dashboard),
+        ("/dashboard/events", routes.dashboard_events),
+        ("/dashboard/snapshot", routes.dashboard_snapshot),
     ):
         app.add_url_rule(path, view_func=view, methods=["GET"])
     return app

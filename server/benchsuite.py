@@ -236,8 +236,12 @@ class Server:
             self.proc.kill()
 
 
-def load(server: Server, clients: int, requests: int) -> dict:
-    spec = LoadSpec(url=server.url, clients=clients, requests=requests, max_tokens=BATCH_TOKENS)
+def load(server: Server, clients: int, requests: int, seed: int = 0) -> dict:
+    """One load; each ``seed`` draws other prompts, so that no server's prefix cache
+    turns a repeat into a cache benchmark (the shared-prompt table measures that)."""
+    spec = LoadSpec(
+        url=server.url, clients=clients, requests=requests, max_tokens=BATCH_TOKENS, seed=seed
+    )
     return attrs.asdict(trio.run(run_load, spec, None))
 
 
@@ -332,14 +336,14 @@ def peers_http(model: str, repeats: int, names: list[str]) -> dict:
     out = {}
     for name in names:
         with tempfile.TemporaryDirectory() as home, peer_server(name, model, home) as server:
-            load(server, 8, 8)  # warm-up
+            load(server, 8, 8, seed=100)  # warm-up
             headline = []
-            for _ in range(repeats):
-                r = load(server, 8, 16)
+            for repeat in range(repeats):
+                r = load(server, 8, 16, seed=repeat + 1)
                 headline.append(r)
                 print(f"  http 8 clients {name}: {r['aggregate_tokens_per_second']:.1f} tok/s, "
                       f"TTFT p95 {r['ttft_p95'] * 1e3:.0f} ms", flush=True)  # fmt: skip
-            sweep = {c: load(server, c, 2 * c) for c in (1, 2, 4, 8)}
+            sweep = {c: load(server, c, 2 * c, seed=200 + c) for c in (1, 2, 4, 8)}
         out[name] = {"headline": headline, "sweep": sweep}
     return out
 
@@ -360,11 +364,11 @@ def http(model: str, repeats: int, tokenizer) -> dict:
     out: dict = {"headline": {"ours": [], "mlx_lm": []}, "sweep": {"ours": {}, "mlx_lm": {}}}
     with ours, theirs:
         for server in (ours, theirs):
-            load(server, 8, 8)  # warm-up
-        for _ in range(repeats):
+            load(server, 8, 8, seed=100)  # warm-up
+        for repeat in range(repeats):
             for key, server in (("ours", ours), ("mlx_lm", theirs)):
                 cpu = server.loop_cpu()
-                r = load(server, 8, 16)
+                r = load(server, 8, 16, seed=repeat + 1)
                 # Per streamed token: every token is one SSE chunk unless events queue up.
                 r["loop_ms_per_token"] = (server.loop_cpu() - cpu) * 1e3 / r["completion_tokens"]
                 out["headline"][key].append(r)
@@ -373,7 +377,7 @@ def http(model: str, repeats: int, tokenizer) -> dict:
                       f"{r['health_p99'] * 1e3:.1f} ms", flush=True)  # fmt: skip
         for clients in (1, 2, 4, 8):
             for key, server in (("ours", ours), ("mlx_lm", theirs)):
-                out["sweep"][key][clients] = load(server, clients, 2 * clients)
+                out["sweep"][key][clients] = load(server, clients, 2 * clients, seed=200 + clients)
         prompts = shared_prefix_prompts(tokenizer)
         out["shared_prefix"] = {"prompt_tokens": len(tokenizer.encode(prompts[0]))}
         for key, server in (("ours", ours), ("mlx_lm", theirs)):

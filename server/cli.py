@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 import attrs
 import trio
@@ -14,7 +15,7 @@ from mlx_nursery.actors import EngineSettings, InvalidRequest, SamplingParams
 from mlx_nursery.actors.budget import parse_bytes
 from mlx_nursery.actors.settings import DTYPES
 
-from . import bench, models
+from . import bench, models, top
 from .app import Settings
 from .protocol import Defaults
 from .serve import maybe_reexec_with_openblas, serve
@@ -168,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds for a request body to arrive, else 408 (default: 30)",
     )
     s.add_argument(
+        "--request-log",
+        type=Path,
+        metavar="FILE",
+        help="append one JSON line per finished request: timings and prompt-cache figures, "
+        "no prompt text",
+    )
+    s.add_argument(
         "--allowed-origins", default="*", help="comma-separated CORS origins, or * (default: *)"
     )
     s.add_argument("--log-level", default="INFO",
@@ -187,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"the default model ({models.DEFAULT.id}) first.",
     )
     m.add_argument("--fetch", action="store_true", help="fetch and convert the default model")
+    t = sub.add_parser(
+        "top",
+        help="the live view of a running server, in the terminal",
+        description="The dashboard's figures (rows, batch, KV, prompt cache, recent "
+        "requests) refreshed in place, read from URL/dashboard/snapshot.",
+    )
+    top.add_arguments(t)
     return parser
 
 
@@ -228,6 +243,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         keep_alive_timeout=args.keep_alive_timeout,
         max_header_bytes=args.max_header_bytes,
         body_timeout=args.body_timeout,
+        request_log=args.request_log,
     )
 
 
@@ -271,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         return list_models(fetch=args.fetch)
     elif args.command == "bench":
         return bench.main(args)
+    elif args.command == "top":
+        return top.main(args)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The engine's stats snapshot as Prometheus text (format 0.0.4) and as JSON."""
+"""The engine's stats snapshot for /metrics (prometheus_client: Prometheus text
+0.0.4, or OpenMetrics on request) and as JSON for /stats."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import math
 
 import attrs
 from mlx_nursery.actors import HistogramSnapshot, StatsSnapshot
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.utils import floatToGoString
 
 PREFIX = "mlx_nursery"
 
@@ -54,40 +59,45 @@ _HISTOGRAMS = {
 }
 
 
-def _fmt(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf"
-    return repr(float(v)) if isinstance(v, float) else str(v)
+class _Snapshot:
+    """A prometheus_client collector over one engine snapshot: it yields the
+    metric families; the library writes the exposition format."""
+
+    def __init__(self, s: StatsSnapshot) -> None:
+        self.s = s
+
+    def collect(self):
+        s = self.s
+        for field, (name, help_) in _COUNTERS.items():
+            yield CounterMetricFamily(
+                f"{PREFIX}_{name.removesuffix('_total')}", help_, value=getattr(s, field)
+            )
+        for field, (name, help_) in _GAUGES.items():
+            raw = getattr(s, field)
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", help_, value=-1 if raw is None else raw)
+        mode = GaugeMetricFamily(
+            f"{PREFIX}_mode", "Batching mode (1 for the current one).", labels=["mode"]
+        )
+        for m in ("off", "serial", "batch"):
+            mode.add_metric([m], int(m == s.mode))
+        yield mode
+        for field, (name, help_) in _HISTOGRAMS.items():
+            h: HistogramSnapshot = getattr(s, field)
+            buckets, cumulative = [], 0
+            for bound, n in zip((*h.buckets, math.inf), h.counts, strict=True):
+                cumulative += n
+                buckets.append((floatToGoString(bound), cumulative))
+            yield HistogramMetricFamily(f"{PREFIX}_{name}", help_, buckets=buckets, sum_value=h.sum)
 
 
-def _histogram(name: str, h: HistogramSnapshot) -> list[str]:
-    lines, cumulative = [], 0
-    for bound, n in zip((*h.buckets, math.inf), h.counts, strict=True):
-        cumulative += n
-        lines.append(f'{name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
-    lines.append(f"{name}_sum {_fmt(h.sum)}")
-    lines.append(f"{name}_count {h.count}")
-    return lines
-
-
-def prometheus(s: StatsSnapshot) -> str:
-    out: list[str] = []
-    for field, (name, help_) in _COUNTERS.items():
-        full = f"{PREFIX}_{name}"
-        out += [f"# HELP {full} {help_}", f"# TYPE {full} counter", f"{full} {getattr(s, field)}"]
-    for field, (name, help_) in _GAUGES.items():
-        full = f"{PREFIX}_{name}"
-        raw = getattr(s, field)
-        value = _fmt(-1 if raw is None else raw)
-        out += [f"# HELP {full} {help_}", f"# TYPE {full} gauge", f"{full} {value}"]
-    mode = f"{PREFIX}_mode"
-    out += [f"# HELP {mode} Batching mode (1 for the current one).", f"# TYPE {mode} gauge"]
-    out += [f'{mode}{{mode="{m}"}} {int(m == s.mode)}' for m in ("off", "serial", "batch")]
-    for field, (name, help_) in _HISTOGRAMS.items():
-        full = f"{PREFIX}_{name}"
-        out += [f"# HELP {full} {help_}", f"# TYPE {full} histogram"]
-        out += _histogram(full, getattr(s, field))
-    return "\n".join(out) + "\n"
+def prometheus(s: StatsSnapshot, accept: str = "") -> tuple[bytes, str]:
+    """The snapshot as Prometheus text (0.0.4), or OpenMetrics when the scraper's
+    ``Accept`` asks for it; returns the body and its content type."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(s))
+    if "application/openmetrics-text" in accept:
+        return openmetrics.generate_latest(registry), openmetrics.CONTENT_TYPE_LATEST
+    return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 def _quantile(h: HistogramSnapshot, q: float) -> float | None:

@@ -18,6 +18,8 @@ import attrs
 from mlx_nursery.actors import Event, Result, Usage
 from mlx_nursery.actors.tools import ToolCall
 
+from .request_log import cache_body
+
 
 @attrs.frozen
 class ApiError(Exception):
@@ -250,6 +252,7 @@ def usage_body(usage: Usage) -> dict:
         "time_to_first_token_seconds": usage.time_to_first_token,
         "prefill_tokens_per_second": usage.prefill_tokens_per_second,
         "decode_tokens_per_second": usage.decode_tokens_per_second,
+        **({"prompt_cache": cache_body(usage.cache)} if usage.cache is not None else {}),
     }
 
 

@@ -1,0 +1,132 @@
+"""`mlx-nursery top URL`: the dashboard's figures in a terminal, refreshed in place.
+
+It polls ``URL/dashboard/snapshot`` (the same snapshot the page's feed sends)
+and draws it with ``rich``: the batch, tok/s and step time (from the change
+between two snapshots), the KV bar, the live rows, the prompt cache and the
+recent requests with where their prompts diverged from the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", nargs="?", default="http://127.0.0.1:8080", help="the server")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--key", help="the API key, when the server protects its stats")
+    p.add_argument("--once", action="store_true", help="print one view and exit")
+
+
+def fetch(url: str, key: str | None) -> dict[str, Any]:
+    req = urllib.request.Request(url.rstrip("/") + "/dashboard/snapshot")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.load(r)
+
+
+def _bytes(n: float | None) -> str:
+    if n is None or n < 0:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def _num(v: float | None, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def render(snap: dict[str, Any], prev: dict[str, Any] | None) -> Group:
+    s = snap.get("stats")
+    head = Text(f"mlx-nursery  {snap['model']}  ({snap['phase']})", style="bold")
+    if s is None:
+        return Group(head)
+    tps = step = None
+    if prev is not None and prev.get("stats") and snap["time"] > prev["time"]:
+        p = prev["stats"]
+        tps = (s["generated_tokens"] - p["generated_tokens"]) / (snap["time"] - prev["time"])
+        n = s["step_time"]["count"] - p["step_time"]["count"]
+        step = (s["step_time"]["sum"] - p["step_time"]["sum"]) / n * 1e3 if n else None
+    summary = Text(
+        f"mode {s['mode']}  decoding {s['decoding_rows']}/{s['configured']}  "
+        f"tok/s {_num(tps, 1)}  step {_num(step, 1)} ms  "
+        f"padding {100 * s['padding_waste']:.1f}%  queued {s['pending_rows']} "
+        f"(oldest {s['queue_oldest_wait']:.1f} s)  429s {s['overloaded']}  "
+        f"errors {s['errored']}  cancelled {s['cancelled']}"
+    )
+    budget = s.get("kv_budget_bytes")
+    kv = Text(
+        f"KV live {_bytes(s['kv_bytes'])}  prompt cache {_bytes(s['prompt_cache_bytes'])}  "
+        f"budget {_bytes(budget) if budget else 'none'}"
+    )
+    hits, misses = s["prompt_cache_hits"], s["prompt_cache_misses"]
+    rate = f"{100 * hits / (hits + misses):.0f}%" if hits + misses else "-"
+    cache = Text(
+        f"prompt cache: {s['prompt_cache_entries']} entries, hit rate {rate}, "
+        f"{s['prompt_cache_hit_tokens']} prompt tokens saved"
+    )
+    rows = Table(title="live rows", expand=True)
+    for col in ("row", "request id", "lane", "phase", "prompt", "cached", "tokens", "tok/s",
+                "TTFT ms"):  # fmt: skip
+        rows.add_column(col, justify="right" if col in ("prompt", "cached", "tokens") else "left")
+    for r in snap.get("rows", []):
+        phase = r["phase"]
+        if phase == "prefilling" and r.get("prefilled") is not None:
+            phase += f" {100 * r['prefilled'] / max(1, r['prompt_tokens']):.0f}%"
+        ttft = r.get("time_to_first_token")
+        rows.add_row(
+            str(r["id"]), r.get("request_id") or "-", r["lane"], phase, str(r["prompt_tokens"]),
+            str(r["cached_tokens"]), str(r["tokens"]), _num(r.get("tokens_per_second"), 1),
+            "-" if ttft is None else f"{ttft * 1e3:.0f}",
+        )  # fmt: skip
+    recent = Table(title="recent requests", expand=True)
+    for col in ("request id", "api", "finish", "prompt", "cached", "cache", "diverged at",
+                "message"):  # fmt: skip
+        recent.add_column(col)
+    for r in reversed(snap.get("recent_requests", [])[-8:]):
+        c = r.get("prompt_cache") or {}
+        recent.add_row(
+            r["request_id"], r["api"], r["finish_reason"], str(r.get("prompt_tokens", "-")),
+            str(r.get("cached_tokens", "-")), c.get("reason", "-"),
+            _num(c.get("diverged_at")), _num(c.get("diverged_message")),
+        )  # fmt: skip
+    return Group(head, summary, kv, cache, rows, recent)
+
+
+def main(args: argparse.Namespace) -> int:
+    prev = None
+    try:
+        snap = fetch(args.url, args.key)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"mlx-nursery top: cannot read {args.url}/dashboard/snapshot: {exc}")
+        return 1
+    if args.once:
+        from rich.console import Console
+
+        Console().print(render(snap, None))
+        return 0
+    with Live(render(snap, None), auto_refresh=False, screen=False) as live:
+        try:
+            while True:
+                time.sleep(args.interval)
+                prev, snap = snap, fetch(args.url, args.key)
+                live.update(render(snap, prev), refresh=True)
+        except KeyboardInterrupt:
+            return 0
+        except (urllib.error.URLError, OSError) as exc:
+            live.console.print(f"the server went away: {exc}")
+            return 1
