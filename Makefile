@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint install goldens clean openblas bench soak
+.PHONY: serve test lint install goldens clean openblas chromium bench soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ install: $(STAMP)
 # in one process; it runs first, in a pytest run of its own with OpenBLAS preloaded
 # (the bundled BLAS would take many minutes), on the default model fetched once
 # into ~/.cache/mlx-nursery (skipped when it cannot be fetched).
-test: install openblas
+test: install openblas chromium
 	$(BIN)/ruff check .
 	$(BIN)/mlx-nursery models --fetch || echo "default model not fetched: the real-weights set will skip"
 	env LD_PRELOAD=$$(ls /usr/lib/*/openblas-pthread/libopenblas.so.0 2>/dev/null | head -1) \
@@ -34,6 +34,15 @@ test: install openblas
 
 lint: install
 	$(BIN)/ruff check .
+
+# The dashboard test drives Debian's headless Chromium (no browser download at test
+# time). Installed here when missing and we may (root with apt-get); the test says
+# so when it is still missing.
+chromium:
+	@if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get install -y -qq chromium || (apt-get update -qq && apt-get install -y -qq chromium)) \
+	  >/dev/null || echo "could not install chromium: the dashboard test will fail"; \
+	fi
 
 # On Debian-like Linux, fetch OpenBLAS first when it is missing and we may install
 # (root with apt-get): `serve` preloads it, mlx's bundled BLAS being 5-20x slower.

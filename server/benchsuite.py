@@ -16,6 +16,7 @@ between its ``bench:start`` / ``bench:end`` markers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -236,6 +238,33 @@ class Server:
             self.proc.kill()
 
 
+@contextlib.contextmanager
+def dashboard_viewers(url: str, n: int):
+    """``n`` browsers' worth of dashboard feeds (``/dashboard/events``), read in a
+    thread of their own for as long as the block runs."""
+    stop = threading.Event()
+
+    async def view(client: httpx.AsyncClient) -> None:
+        async with client.stream("GET", "/dashboard/events") as r:
+            async for _ in r.aiter_raw():
+                if stop.is_set():
+                    return
+
+    async def main() -> None:
+        client = httpx.AsyncClient(base_url=url, timeout=None)
+        async with client, trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(view, client)
+
+    thread = threading.Thread(target=lambda: trio.run(main), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
 def load(server: Server, clients: int, requests: int, seed: int = 0) -> dict:
     """One load; each ``seed`` draws other prompts, so that no server's prefix cache
     turns a repeat into a cache benchmark (the shared-prompt table measures that)."""
@@ -305,6 +334,7 @@ PEERS = {
     ),
 }
 MLX_CPU = "mlx[cpu]==0.32.4"
+VIEWERS = 5  # dashboard feeds open during one 8-client load (the /health check)
 
 
 def peer_venv(name: str) -> Path:
@@ -375,6 +405,11 @@ def http(model: str, repeats: int, tokenizer) -> dict:
                 print(f"  http 8 clients {server.name}: {r['aggregate_tokens_per_second']:.1f} "
                       f"tok/s, TTFT p95 {r['ttft_p95'] * 1e3:.0f} ms, /health p99 "
                       f"{r['health_p99'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+        with dashboard_viewers(ours.url, VIEWERS):
+            r = out["with_viewers"] = load(ours, 8, 16, seed=50)
+        print(f"  http 8 clients mlx-nursery, {VIEWERS} dashboard viewers: "
+              f"{r['aggregate_tokens_per_second']:.1f} tok/s, /health p99 "
+              f"{r['health_p99'] * 1e3:.1f} ms", flush=True)  # fmt: skip
         for clients in (1, 2, 4, 8):
             for key, server in (("ours", ours), ("mlx_lm", theirs)):
                 out["sweep"][key][clients] = load(server, clients, 2 * clients, seed=200 + clients)
@@ -480,6 +515,12 @@ def markdown(results: dict) -> str:
         lines.append(f"| {c} | {a['aggregate_tokens_per_second']:.1f} | "
                      f"{b['aggregate_tokens_per_second']:.1f} | {a['ttft_p95'] * 1e3:.0f} | "
                      f"{b['ttft_p95'] * 1e3:.0f} |")  # fmt: skip
+    wv = results["http"].get("with_viewers")
+    if wv:
+        lines += ["", f"With {VIEWERS} dashboard viewers open (`/dashboard/events`) during one "
+                  f"more 8-client load: {wv['aggregate_tokens_per_second']:.1f} tok/s, "
+                  f"/health p99 {wv['health_p99'] * 1e3:.1f} ms, max "
+                  f"{wv['health_max'] * 1e3:.1f} ms."]  # fmt: skip
     lines += ["", "![HTTP comparison by clients](bench/http_clients.png)"]
     lines += peer_rows(results["http"])
     sp = results["http"].get("shared_prefix")
