@@ -68,6 +68,7 @@ bench: install openblas
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	$(BIN)/python goldens/make_bench_model.py --if-missing --out $(BENCH_MODEL)
 	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL) $(if $(PEERS),--peers)
+	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL) --copies
 	$(BIN)/python -m mlx_nursery.server.benchsuite --real $(if $(PEERS),--peers)
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long

@@ -40,6 +40,9 @@ MAILBOX_SIZE = 4096
 # the first joiner wait for the last.)
 PRIMES_PER_TURN = 2
 
+# A joiner holding this many cached prompt tokens is prefilled alone (see _group).
+GROUP_MAX_CACHED = 256
+
 # Scheduling rounds an idle prefill waits for rows submitted in the same tick.
 GATHER_ROUNDS = 32
 QUIET_ROUNDS = 4
@@ -158,9 +161,13 @@ def plan_turn(
 def _group(ready: list[Prefill], cap: int) -> list[Prefill]:
     """The most joiners whose whole prompts fit ``cap`` tokens padded to the
     longest of them (its last token, the prime, included): shortest first, then
-    back in arrival order."""
+    back in arrival order. A joiner that took a long prefix from the prompt cache
+    goes alone: its work is a short suffix, and merging and padding its cached KV
+    would cost more than the forward it shares (and hold its first token back
+    until the whole group's)."""
     chosen: set[int] = set()
-    for n, job in enumerate(sorted(ready, key=lambda j: j.remaining), start=1):
+    fresh = [job for job in ready if job.done < GROUP_MAX_CACHED]
+    for n, job in enumerate(sorted(fresh, key=lambda j: j.remaining), start=1):
         if n * (job.remaining + 1) > cap:
             break
         chosen.add(id(job))

@@ -165,6 +165,58 @@ def constraint_cost(model, tokenizer, repeats: int) -> dict:
     )
 
 
+def copy_traffic(model, tokenizer, *, legacy: bool) -> dict:
+    """KV bytes copied by joins and leaves per generated token, and tok/s, under a
+    closed loop of 8 agents whose answers end at different lengths (so rows leave
+    and others join mid-batch) on ~300-token prompts. ``legacy`` turns off this
+    issue's mechanisms (padded group prefill, retired slots refilled in place):
+    every joiner prefilled alone and merged in, every leave filtered out at once."""
+    from unittest import mock
+
+    from mlx_nursery.actors import open_engine
+    from mlx_nursery.actors import prefill as prefill_module
+    from mlx_nursery.actors import rows as rows_module
+
+    rng = random.Random(11)
+    spec = LoadSpec(url="", requests=32, prompt_tokens=300, seed=11)
+    jobs = [(tokenizer.encode(p), rng.randint(24, 160)) for p in prompts(spec)]
+
+    async def go():
+        async with open_engine((model, tokenizer), batch=8, prompt_cache_size=0) as engine:
+            queue = list(jobs)
+
+            async def agent():
+                while queue:
+                    ids, n = queue.pop()
+                    await engine.generate(ids, max_tokens=n)
+
+            t0 = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(agent)
+            wall = time.perf_counter() - t0
+            st = engine.stats()
+            return {
+                "bytes_per_token": st.kv_copied_bytes / st.generated_tokens,
+                "tokens_per_second": st.generated_tokens / wall,
+                "refilled": st.refilled,
+                "prefilled_together": st.prefilled_together,
+            }
+
+    if not legacy:
+        return trio.run(go)
+    plan = prefill_module.plan_turn
+
+    def alone(jobs, step_size, together=False, min_shared=None):
+        return plan(jobs, step_size, False, min_shared)
+
+    with (
+        mock.patch.object(rows_module.Batch, "reusable", property(lambda self: False)),
+        mock.patch.object(prefill_module, "plan_turn", alone),
+    ):
+        return trio.run(go)
+
+
 def paired(name: str, ours, theirs, repeats: int) -> dict:
     a, b = [], []
     ours()  # warm-up: first-call kernel and allocation costs are nobody's figure
@@ -592,14 +644,19 @@ def write_docs(results: dict, section: str) -> None:
     doc.write_text(f"{head}{start}\n{body}\n{end}{tail}")
 
 
-def write_constraint_doc(row: dict, label: str) -> None:
+def _write_section(tag: str, body: str) -> None:
+    """Replace (or add) the ``<!-- bench:TAG:start/end -->`` block of the page."""
     doc = DOCS / "benchmarks.md"
-    start, end = "<!-- bench:constraints:start -->", "<!-- bench:constraints:end -->"
+    start, end = f"<!-- bench:{tag}:start -->", f"<!-- bench:{tag}:end -->"
     text = doc.read_text()
     if start not in text:
         text += f"\n{start}\n{end}\n"
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{start}\n{body}\n{end}{tail}")
+
+
+def write_constraint_doc(row: dict, label: str) -> None:
     body = "\n".join([
         f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; model: {label} (float32); "
         "8 rows x 64 tokens at B=8, mean GPU time of a decode step, median (min-max) of "
@@ -610,7 +667,40 @@ def write_constraint_doc(row: dict, label: str) -> None:
         f"| {row['name']} | {fmt(row['ours'])} | {fmt(row['mlx_lm'])} | "
         f"{fmt(row['ratio'], digits=3)} |",
     ])  # fmt: skip
-    doc.write_text(f"{head}{start}\n{body}\n{end}{tail}")
+    _write_section("constraints", body)
+
+
+def copies(model, tokenizer, repeats: int, label: str) -> None:
+    """Join/leave copy traffic before (legacy) and after this engine's mechanisms."""
+    runs = {"now": [], "legacy": []}
+    for _ in range(repeats):
+        for key in runs:
+            runs[key].append(copy_traffic(model, tokenizer, legacy=key == "legacy"))
+            print(f"  copies {key}: {runs[key][-1]}", flush=True)
+
+    def med(key: str, field: str) -> float:
+        return statistics.median(r[field] for r in runs[key])
+
+    rows = []
+    modes = (
+        ("legacy", "alone + merge on join, filter on leave"),
+        ("now", "padded group prefill, retired slots refilled in place"),
+    )
+    for key, what in modes:
+        rows.append(f"| {what} | {med(key, 'bytes_per_token') / 1e3:.1f} | "
+                    f"{med(key, 'tokens_per_second'):.1f} | {med(key, 'refilled'):.0f} | "
+                    f"{med(key, 'prefilled_together'):.0f} |")  # fmt: skip
+    body = "\n".join([
+        f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; model: {label} (float32); 8 agents "
+        "in a closed loop over 32 requests (~300-token prompts, answers of 24-160 tokens, "
+        f"so rows leave and join mid-batch), no prompt cache; medians of {repeats} runs.",
+        "",
+        "| joins and leaves | KV KB copied per generated token | tok/s | joins in place "
+        "| rows prefilled together |",
+        "| --- | --- | --- | --- | --- |",
+        *rows,
+    ])  # fmt: skip
+    _write_section("copies", body)
 
 
 def float32_copy(gguf_file: Path) -> Path:
@@ -662,6 +752,9 @@ def main() -> int:
     parser.add_argument(
         "--constraints", action="store_true", help="only the constrained-decoding step cost"
     )
+    parser.add_argument(
+        "--copies", action="store_true", help="only the KV copy traffic of joins and leaves"
+    )
     args = parser.parse_args()
 
     lib = find_openblas()
@@ -685,6 +778,9 @@ def main() -> int:
     if args.constraints:
         row = constraint_cost(model, tokenizer, args.repeats)
         write_constraint_doc(row, label)
+        return 0
+    if args.copies:
+        copies(model, tokenizer, args.repeats, label)
         return 0
     results = {
         "environment": {

@@ -150,6 +150,10 @@ def test_plan_turn_prefills_what_fits_together_and_keeps_half_for_the_oldest():
     plan = plan_turn([a, b, c], step_size=256, together=True)
     assert plan == [([b, c], None), ([a], 99)]
     assert plan_turn([a, b, c], step_size=512, together=True) == [([a, b, c], None)]
+    # A joiner that took a long prefix from the prompt cache goes alone.
+    shared = list(range(1000, 1300))
+    e, f = job([*shared, 1, 2], done=300), job([*shared, 3, 4], done=300)
+    assert plan_turn([e, f], step_size=512, together=True) == [([e], 1), ([f], 1)]
 
 
 def test_plan_turn_holds_back_a_joiner_that_shares_an_earlier_ones_prefix():
