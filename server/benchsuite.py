@@ -317,6 +317,23 @@ def dashboard_viewers(url: str, n: int):
         thread.join(timeout=10)
 
 
+def probe_cpu(server: Server, seconds: float = 5.0) -> float:
+    """Event-loop CPU seconds per wall second that the load's own ``/health``
+    probe (one request every 50 ms) costs the server with nothing else running:
+    subtracted from the per-token figure, which is about streaming."""
+
+    async def go() -> None:
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            with trio.move_on_after(seconds):
+                while True:
+                    await client.get("/health")
+                    await trio.sleep(LoadSpec(url="").health_interval)
+
+    cpu = server.loop_cpu()
+    trio.run(go)
+    return (server.loop_cpu() - cpu) / seconds
+
+
 def load(server: Server, clients: int, requests: int, seed: int = 0) -> dict:
     """One load; each ``seed`` draws other prompts, so that no server's prefix cache
     turns a repeat into a cache benchmark (the shared-prompt table measures that)."""
@@ -447,12 +464,17 @@ def http(model: str, repeats: int, tokenizer) -> dict:
     with ours, theirs:
         for server in (ours, theirs):
             load(server, 8, 8, seed=100)  # warm-up
+        probing = probe_cpu(ours)
         for repeat in range(repeats):
             for key, server in (("ours", ours), ("mlx_lm", theirs)):
                 cpu = server.loop_cpu()
                 r = load(server, 8, 16, seed=repeat + 1)
-                # Per streamed token: every token is one SSE chunk unless events queue up.
-                r["loop_ms_per_token"] = (server.loop_cpu() - cpu) * 1e3 / r["completion_tokens"]
+                # Per streamed token (one SSE chunk unless events queue up), the
+                # probe's share taken out; the raw figure stays in the results.
+                used = server.loop_cpu() - cpu
+                r["loop_ms_per_token_raw"] = used * 1e3 / r["completion_tokens"]
+                used -= probing * r["wall_seconds"]
+                r["loop_ms_per_token"] = used * 1e3 / r["completion_tokens"]
                 out["headline"][key].append(r)
                 print(f"  http 8 clients {server.name}: {r['aggregate_tokens_per_second']:.1f} "
                       f"tok/s, TTFT p95 {r['ttft_p95'] * 1e3:.0f} ms, /health p99 "
@@ -504,7 +526,8 @@ def http_rows(h: dict) -> list[tuple[str, dict, dict, str]]:
     # so only our own figure means something (the target: 0.3 ms or less).
     loop = col("ours", "loop_ms_per_token")
     if loop["all"]:
-        rows.append(("event-loop CPU per streamed token (ms)", loop, None, "target <= 0.3"))
+        label = "event-loop CPU per streamed token, /health probes taken out (ms)"
+        rows.append((label, loop, None, "target <= 0.3"))
     return rows
 
 
