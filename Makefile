@@ -40,7 +40,8 @@ lint: install
 # so when it is still missing.
 chromium:
 	@if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	  (apt-get install -y -qq chromium || (apt-get update -qq && apt-get install -y -qq chromium)) \
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium || \
+	   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)) \
 	  >/dev/null || echo "could not install chromium: the dashboard test will fail"; \
 	fi
 
