@@ -78,6 +78,31 @@ def test_takes_trim_where_the_cache_allows_and_match_exactly_elsewhere(family):
     assert hit.cached == (99 if trimmable else 0)
 
 
+@pytest.mark.parametrize("family", ["llama", "mamba2"])
+def test_every_take_says_why_it_reused_what_it_did(family):
+    model, _ = loaded(family)
+    prompt = golden(family)["prompts"]["long"]
+    store = Store(max_size=2)
+    reason = lambda tokens: store.take(tokens).report  # noqa: E731
+
+    assert reason(prompt[:50]).reason == "no_entry"
+    store.put(prompt[:100], _prefilled(model, prompt[:100]), "assistant", 1 << 40)
+    full = reason(prompt[:101])
+    assert (full.reason, full.cached, full.diverged_at) == ("full", 100, None)
+
+    report = reason([*prompt[:60], 7, 7])  # shares 60 tokens with the entry
+    if family == "llama":
+        assert (report.reason, report.cached, report.diverged_at) == ("diverged", 60, 60)
+    else:  # recurrent state cannot be cut back to 60 tokens
+        assert (report.reason, report.cached, report.shared) == ("not_trimmable", 0, 60)
+
+    assert reason([9, 9, 9]).reason == "no_entry"
+    for other in ([1] * 20, [2] * 20):  # two more entries evict the first (max_size=2)
+        store.put(other, _prefilled(model, other), "assistant", 1 << 40)
+    gone = reason(prompt[:101])
+    assert (gone.reason, gone.cached, gone.shared) == ("evicted", 0, 100)
+
+
 async def test_eight_agents_share_a_system_prompt_computed_once():
     model, tokenizer = loaded(FAMILY)
     system = ("You are one of eight careful sub-agents working on one codebase. " * 24)[:1500]
