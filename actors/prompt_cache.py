@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import trio
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
@@ -93,7 +94,7 @@ class _RecordingLRU:
 
     def pop(self) -> Any:
         model, tokens = self._inner.pop()
-        self._evicted.append(tuple(tokens))
+        self._evicted.append(np.asarray(tokens))
         return model, tokens
 
 
@@ -119,7 +120,10 @@ class Store(LRUPromptCache):
             return CacheReport(CacheReason.FULL, cached, shared)
         if shared > cached:
             return CacheReport(CacheReason.NOT_TRIMMABLE, cached, shared, diverged_at=cached)
-        gone = max((shared_prefix(tokens, old) for old in self._evicted), default=0)
+        gone = 0
+        if self._evicted:  # vectorised: this runs on the GPU thread, per partial miss
+            mine = np.asarray(tokens)
+            gone = max(_shared_array(mine, old) for old in self._evicted)
         if gone > shared:
             return CacheReport(CacheReason.EVICTED, cached, gone, diverged_at=cached)
         reason = CacheReason.DIVERGED if shared else CacheReason.NO_ENTRY
@@ -235,6 +239,12 @@ class PromptCacheActor:
                 await self.gpu.call(self._store.trim_bytes, self._ceiling)
             case _:
                 raise TypeError(f"prompt cache got an unexpected message: {message!r}")
+
+
+def _shared_array(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
