@@ -44,8 +44,9 @@ def snapshot(state: Any) -> dict[str, Any]:
 
 
 async def feed(state: Any):
-    """SSE: one snapshot frame every ``FEED_SECONDS``, built when it is sent."""
-    while True:
+    """SSE: one snapshot frame every ``FEED_SECONDS``, built when it is sent; the
+    feed ends once the server drains (an open tab must not hold up shutdown)."""
+    while state.phase in ("starting", "serving"):
         body = json.dumps(snapshot(state), separators=(",", ":"))
         yield f"event: snapshot\ndata: {body}\n\n".encode()
         await trio.sleep(FEED_SECONDS)
