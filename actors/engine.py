@@ -37,6 +37,7 @@ from .loading import ModelInfo, load_model
 from .mailbox import Mailbox
 from .prefill import PrefillActor
 from .prompt_cache import PromptCacheActor
+from .ranks import RankWatch, follow, lead, rank_figures
 from .request import Result
 from .row import Cancel, Phase, Row, RowView, view
 from .serial import Serial
@@ -72,6 +73,8 @@ class Engine:
         """
         if self._closed:
             raise EngineClosed("the engine is shutting down and takes no new requests")
+        if self._gpu.lost is not None:
+            raise EngineClosed(self._gpu.lost)
         request_id = params.pop("request_id", None)
         try:
             row, receive = self.intake.row(prompt, params)
@@ -95,8 +98,24 @@ class Engine:
             return await stream.result()
 
     def health(self) -> str | None:
-        """None when healthy; else why not (a GPU call past the step timeout)."""
-        return stall_reason(self._gpu, self.settings.step_timeout)
+        """None when healthy; else why not (the ranks lost, a GPU call past the
+        step timeout)."""
+        return self._gpu.lost or stall_reason(self._gpu, self.settings.step_timeout)
+
+    def ranks(self) -> list[dict] | None:
+        """Sharded: each rank's figures (pid, host, KV bytes, GPU calls and their
+        seconds, the last call's), rank 0 first; None on one rank."""
+        leader = self._gpu.replica
+        if leader is None:
+            return None
+        gpu, snap = self._gpu.statistics(), self.stats()
+        own = {
+            "calls": gpu.calls,
+            "busy_seconds": gpu.busy_seconds,
+            "step_seconds": gpu.last_seconds,
+            "kv_bytes": snap.kv_bytes,
+        }
+        return rank_figures(leader, own)
 
     @property
     def model_id(self) -> str:
@@ -207,8 +226,10 @@ def _mode(cap: int, batchable: bool) -> str:
 async def open_engine(
     model: str | Path | tuple[Any, Any],
     settings: EngineSettings | None = None,
+    *,
+    group: Any = None,
     **options: Any,
-) -> AsyncIterator[Engine]:
+) -> AsyncIterator[Engine | None]:
     """Start the actor graph in a nursery of its own; yields once every actor runs.
 
     ``model`` is a path (loaded with ``mlx_lm.load``) or a ``(model, tokenizer)``
@@ -221,6 +242,11 @@ async def open_engine(
     ``"auto"`` or None: rows queue until they fit, a row that never could is
     refused, the prompt cache gets what is left). On exit, rows still in flight
     are cancelled and each gets its terminal event.
+
+    ``group`` (an ``mx.distributed`` group, under ``mlx.launch``) shards the
+    engine across its ranks; every rank calls ``open_engine`` alike. Rank 0
+    yields the engine; any other rank follows rank 0's GPU calls on its shard
+    until rank 0's engine closes, then yields None (see ``docs/scale-out.md``).
     """
     if settings is None:
         settings = EngineSettings(**options)
@@ -228,8 +254,15 @@ async def open_engine(
         settings = attrs.evolve(settings, **options)
     gpu = Gpu()
     gpu.start()
+    sharded = group is not None and group.size() > 1
     try:
-        loaded, tokenizer, info = await gpu.call(load_model, model, settings.dtype)
+        loaded, tokenizer, info = await gpu.call_here(load_model, model, settings.dtype, group)
+        if sharded and group.rank() != 0:
+            await gpu.call_here(follow, loaded, group)
+            yield None
+            return
+        if sharded:
+            gpu.replica = await gpu.call_here(lead, loaded, group)
         if settings.context_length is not None:
             info = attrs.evolve(info, context_length=settings.context_length)
         budget = settings.kv_budget
@@ -241,7 +274,9 @@ async def open_engine(
             kv_budget_bytes=budget,
         )
         actors, to_admission = _wire(loaded, tokenizer, info, settings, budget, gpu, stats)
-        ll_tok = await gpu.call(ll_tokenizer, tokenizer, info.vocab_size)
+        if sharded:
+            actors.append(RankWatch(gpu.replica, gpu))
+        ll_tok = await gpu.call_here(ll_tokenizer, tokenizer, info.vocab_size)
         intake = Intake(tokenizer, info, settings, budget, ll_tok)
         engine = Engine(loaded, tokenizer, info, settings, intake, stats, to_admission, gpu)
         async with _running(actors) as actors_scope:

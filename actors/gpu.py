@@ -6,6 +6,11 @@ step and a prefill chunk submitted together alternate. A call is never abandoned
 mid-way: a caller cancelled while its call runs waits for it to finish, then sees
 the cancellation at its next checkpoint (STYLE habit 9).
 
+On a sharded engine (``actors/ranks.py``) the thread sends each call's plan
+to the followers before running it, and the ranks can be *lost* (a follower died
+or stalled): then every call waiting or yet to come raises ``RanksLost`` at once,
+even one stuck in a collective that will never end.
+
 The actor also owns the lane token: one of the two lanes (continuous or serial)
 holds the GPU at a time. Admission takes and hands it over FIFO (drain, never
 starve); the token makes the exclusion an invariant that can be checked, rather
@@ -14,6 +19,9 @@ than a convention.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -25,11 +33,14 @@ import trio
 
 from .request import Lane
 
+log = logging.getLogger("mlx_nursery.engine")
+
 
 @attrs.frozen
 class GpuStatistics:
     calls: int  # calls completed since start
     busy_seconds: float  # wall time the thread spent inside calls
+    last_seconds: float  # the last call's
     lane: Lane | None  # which lane holds the GPU now
 
 
@@ -40,11 +51,19 @@ class Gpu:
     _thread: threading.Thread | None = attrs.field(default=None, init=False)
     _calls: int = attrs.field(default=0, init=False)
     _busy: float = attrs.field(default=0.0, init=False)
+    _last: float = attrs.field(default=0.0, init=False)
     _lane: Lane | None = attrs.field(default=None, init=False)
     # time.monotonic() when the running call began (None: idle). Written by the GPU
     # thread, read by the watchdog: one float assignment, atomic in CPython. (The
     # GPU thread cannot read trio's clock, hence monotonic here.)
     _call_started: float | None = attrs.field(default=None, init=False)
+    # Sharded: rank 0's end of the followers (a ranks.Leader); None on one rank.
+    replica: Any = attrs.field(default=None, init=False)
+    lost: str | None = attrs.field(default=None, init=False)  # why the ranks were lost
+    stopping: bool = attrs.field(default=False, init=False)
+    _pending: dict = attrs.field(factory=dict, init=False)  # job id -> (token, task)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _ids: Any = attrs.field(factory=itertools.count, init=False)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
@@ -57,40 +76,108 @@ class Gpu:
             job = self._jobs.get()
             if job is None:
                 return
-            fn, args, deliver = job
+            fn, args, deliver, here = job
             t0 = time.perf_counter()
             self._call_started = time.monotonic()
-            result = outcome.capture(fn, *args)
+            result = self._run(fn, args, here)
             self._call_started = None
-            self._busy += time.perf_counter() - t0
+            self._last = time.perf_counter() - t0
+            self._busy += self._last
             self._calls += 1
             deliver(result)
 
+    def _run(self, fn: Callable[..., Any], args: tuple, here: bool) -> outcome.Outcome:
+        """One call; sharded, its plan goes to the followers first (and after it,
+        both sides number what it made)."""
+        from .ranks import RanksLost
+
+        if self.lost is not None:
+            return outcome.Error(RanksLost(self.lost))
+        replica = None if here else self.replica
+        if replica is not None:
+            try:
+                replica.send(fn, args)
+            except OSError as exc:
+                self.lose(f"a follower could not be reached ({exc}); the sharded engine is stopped")
+                return outcome.Error(RanksLost(self.lost))
+            except Exception as exc:  # no plan, no call: the ranks stay in step
+                log.exception("no plan for %r", fn)
+                return outcome.Error(exc)
+        result = outcome.capture(fn, *args)
+        if replica is not None:
+            try:
+                if isinstance(result, outcome.Value):
+                    replica.walk(args, result.value)
+                elif "[ring]" in str(result.error) or "[jaccl]" in str(result.error):
+                    self.lose(f"a collective failed ({result.error}); the engine is stopped")
+            except Exception as exc:
+                log.exception("walking %r", fn)
+                self.lose(f"the ranks fell out of step after {fn!r}: {exc}")
+        return result
+
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the GPU thread and return its result (or raise its error)."""
+        return await self._call(fn, args, here=False)
+
+    async def call_here(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """As :meth:`call`, but never replayed on other ranks (host-side work)."""
+        return await self._call(fn, args, here=True)
+
+    async def _call(self, fn: Callable[..., Any], args: tuple, here: bool) -> Any:
+        from .ranks import RanksLost
+
         if self._thread is None:
             raise RuntimeError("the GPU actor is not running")
+        if self.lost is not None:
+            raise RanksLost(self.lost)
         await trio.lowlevel.checkpoint_if_cancelled()
         task = trio.lowlevel.current_task()
         token = trio.lowlevel.current_trio_token()
-
-        def deliver(result: outcome.Outcome) -> None:
-            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
-
-        self._jobs.put((fn, args, deliver))
+        job_id = next(self._ids)
+        with self._lock:
+            self._pending[job_id] = (token, task)
+        deliver = functools.partial(self._deliver, job_id)
+        self._jobs.put((fn, args, deliver, here))
         # FAILED: the thread cannot be interrupted, so the caller waits it out.
         return await trio.lowlevel.wait_task_rescheduled(
             lambda _raise_cancel: trio.lowlevel.Abort.FAILED
         )
 
+    def _deliver(self, job_id: int, result: outcome.Outcome) -> None:
+        """Hand a call's outcome to its caller, once: by the thread, or by
+        :meth:`lose` if that came first."""
+        with self._lock:
+            waiter = self._pending.pop(job_id, None)
+        if waiter is not None:
+            token, task = waiter
+            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+    def lose(self, reason: str) -> None:
+        """The ranks are lost (any thread): every call waiting, and every later
+        one, raises ``RanksLost(reason)``; a call stuck in a collective is
+        abandoned to its thread."""
+        from .ranks import RanksLost
+
+        if self.lost is not None:
+            return
+        self.lost = reason
+        for job_id in list(self._pending):
+            self._deliver(job_id, outcome.Error(RanksLost(reason)))
+
     async def stop(self) -> None:
-        """Let queued calls finish, then end the thread (runs shielded: used in cleanup)."""
+        """Let queued calls finish, then end the thread (runs shielded: used in cleanup).
+        Sharded, the followers' connections close after it (so they exit); with the
+        ranks lost, the thread may be stuck in a collective and is left behind."""
         if self._thread is None:
             return
+        self.stopping = True
         self._jobs.put(None)
         thread, self._thread = self._thread, None
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(thread.join)
+            if self.lost is None:
+                await trio.to_thread.run_sync(thread.join)
+            if self.replica is not None:
+                self.replica.close()
 
     # The lane token. Only admission takes it; whoever ends a lane's turn gives it back.
     def take_lane(self, lane: Lane) -> None:
@@ -115,4 +202,4 @@ class Gpu:
         return 0.0 if started is None else time.monotonic() - started
 
     def statistics(self) -> GpuStatistics:
-        return GpuStatistics(calls=self._calls, busy_seconds=self._busy, lane=self._lane)
+        return GpuStatistics(self._calls, self._busy, self._last, self._lane)

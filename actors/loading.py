@@ -27,9 +27,14 @@ class ModelInfo:
     think: tuple[str, str] | None = None
 
 
-def load_model(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
+def load_model(model: Any, dtype: str | None, group: Any = None) -> tuple[Any, Any, ModelInfo]:
     """Load (a directory, hub id or GGUF file; or take a ``(model, tokenizer)``
     pair), cast, and inspect the model's caches.
+
+    With ``group`` (an ``mx.distributed`` group of two or more ranks), every rank
+    calls this alike: mlx-lm's ``sharded_load`` gives each its shard, and the
+    model's inputs go through :class:`ranks.SharedInputs`. The figures (KV costs,
+    weight bytes) are then one rank's share.
 
     ``dtype`` ``auto`` is float32 on a CPU device (bf16/fp16 matmuls are emulated
     there, quantized ones are slow), else the stored dtype; None keeps the stored
@@ -41,9 +46,17 @@ def load_model(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
     from mlx_nursery.server.models import resolve, short_id
 
     name = "model"
+    sharded = group is not None and group.size() > 1
     if isinstance(model, str | Path):
         name = short_id(model)
-        model, tokenizer = load(str(resolve(model)))
+        if sharded:
+            from .ranks import sharded_load
+
+            model, tokenizer = sharded_load(resolve(model), group)
+        else:
+            model, tokenizer = load(str(resolve(model)))
+    elif sharded:
+        raise ValueError("a sharded engine loads its model itself: pass a path, not a model")
     else:
         model, tokenizer = model
     if dtype == "auto":
@@ -55,6 +68,10 @@ def load_model(model: Any, dtype: str | None) -> tuple[Any, Any, ModelInfo]:
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
         mx.eval(model.parameters())
+    if sharded:
+        from .ranks import SharedInputs
+
+        model = SharedInputs(model, group)
     caches = make_prompt_cache(model)
     args = getattr(model, "args", None)
     context = getattr(args, "max_position_embeddings", None)

@@ -283,7 +283,10 @@ class PrefillActor:
         jobs = [r.work for r in self._active]
         plan = plan_turn(jobs, self.step_size, self.together, min_shared)
         by_job = {id(r.work): r for r in self._active}
-        results = await self.gpu.call(prefill_turn, plan)
+        try:
+            results = await self.gpu.call(prefill_turn, plan)
+        except Exception as exc:  # the call never ran (a sharded engine's ranks lost)
+            results = [_Done(0, error=exc) for _ in plan]
         for (jobs, _), done in zip(plan, results, strict=True):
             rows = [by_job[id(job)] for job in jobs]
             self.stats.post(Count("prefill_tokens", done.tokens))

@@ -33,6 +33,7 @@ import trio
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from .gpu import Gpu
+from .ranks import RanksLost
 from .request import CacheReason, CacheReport
 from .row import Row
 from .stats import Count, Gauge, Stats
@@ -222,7 +223,10 @@ class PromptCacheActor:
     async def dispatch(self, message: Take | Put | Trim) -> None:
         match message:
             case Take(tokens, reply):
-                hit = await self.gpu.call(self._store.take, tokens)
+                try:
+                    hit = await self.gpu.call(self._store.take, tokens)
+                except RanksLost:  # the call never ran
+                    hit = Hit(None, 0)
                 if hit.caches is None:
                     self.stats.post(Count("prompt_cache_misses"))
                 else:
@@ -233,10 +237,12 @@ class PromptCacheActor:
                 with reply, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
                     reply.send_nowait(hit)
             case Put(tokens, caches, kind):
-                await self.gpu.call(self._store.put, tokens, caches, kind, self._ceiling)
+                with contextlib.suppress(RanksLost):
+                    await self.gpu.call(self._store.put, tokens, caches, kind, self._ceiling)
             case Trim(max_bytes):
                 self._ceiling = min(self.max_bytes, max(0, max_bytes))
-                await self.gpu.call(self._store.trim_bytes, self._ceiling)
+                with contextlib.suppress(RanksLost):
+                    await self.gpu.call(self._store.trim_bytes, self._ceiling)
             case _:
                 raise TypeError(f"prompt cache got an unexpected message: {message!r}")
 

@@ -155,8 +155,11 @@ class Serial:
         """Free the row (its KV to the prompt cache if it finished), its terminal
         to the emitter unless its last token carried it, its slot to admission."""
         if gen is not None:
-            caches = await self.gpu.call(gen.close)
-            if self.to_prompt_cache is not None and worth_keeping(row):
+            try:
+                caches = await self.gpu.call(gen.close)
+            except Exception:  # the call never ran (a sharded engine's ranks lost)
+                caches = None
+            if caches and self.to_prompt_cache is not None and worth_keeping(row):
                 await self.to_prompt_cache.send(Put(row.prompt + row.tokens, caches))
         self.stats.post(Gauge("serial_kv_bytes", 0))
         if row.phase is not Phase.ENDED:

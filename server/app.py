@@ -78,6 +78,8 @@ class Settings:
     max_header_bytes: int = 16 * 1024  # request line and headers beyond this are refused
     body_timeout: float = 30.0  # seconds for the whole request body to arrive (else 408)
     request_log: Path | None = None  # one JSON line per finished request (no prompt text)
+    # Sharded (under mlx.launch): the mx.distributed group; this process is rank 0.
+    group: Any = None
 
 
 class ServerPhase(enum.StrEnum):
@@ -119,7 +121,7 @@ class ServerState:
     async def host_engine(self) -> None:
         s = self.settings
         try:
-            async with open_engine(s.model, s.engine) as engine:
+            async with open_engine(s.model, s.engine, group=s.group) as engine:
                 self.engine, self.phase = engine, ServerPhase.SERVING
                 mode = engine.stats().mode
                 log.info("serving %s (batch %d, mode %s)", self.model_id, s.engine.batch, mode)
@@ -309,8 +311,12 @@ class Routes:
         return _json({"status": self.state.phase.value, "error": self.state.error}, status=503)
 
     async def stats(self) -> Response:
-        body = stats_json(self.state.engine_or_503().stats())
+        engine = self.state.engine_or_503()
+        body = stats_json(engine.stats())
         body["recent_requests"] = list(self.state.requests.recent)
+        ranks = engine.ranks()
+        if ranks is not None:
+            body["ranks"] = ranks
         return _json(body)
 
     async def dashboard(self) -> Response:
@@ -325,7 +331,8 @@ class Routes:
 
     async def metrics(self) -> Response:
         accept = request.headers.get("Accept", "")
-        body, content_type = prometheus(self.state.engine_or_503().stats(), accept)
+        engine = self.state.engine_or_503()
+        body, content_type = prometheus(engine.stats(), accept, engine.ranks())
         return Response(body, content_type=content_type)
 
     def _check_model(self, parsed: Parsed) -> None:

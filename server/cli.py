@@ -11,11 +11,12 @@ from pathlib import Path
 
 import attrs
 import trio
-from mlx_nursery.actors import EngineSettings, InvalidRequest, SamplingParams
+from mlx_nursery.actors import EngineSettings, InvalidRequest, SamplingParams, open_engine
 from mlx_nursery.actors.budget import parse_bytes
+from mlx_nursery.actors.ranks import check_shardable
 from mlx_nursery.actors.settings import DTYPES
 
-from . import bench, models, top
+from . import bench, launch, models, top
 from .app import Settings
 from .protocol import Defaults
 from .serve import maybe_reexec_with_openblas, serve
@@ -178,6 +179,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--allowed-origins", default="*", help="comma-separated CORS origins, or * (default: *)"
     )
+    s.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="shard the model across N processes on this machine (tensor parallel over "
+        "mlx.distributed's ring backend on loopback, started with mlx.launch); see "
+        "docs/scale-out.md (default: 1)",
+    )
+    s.add_argument(
+        "--hostfile",
+        type=Path,
+        metavar="FILE",
+        help="shard across the machines of an mlx.launch hostfile (one rank per host "
+        "entry; rank 0, the first, serves HTTP)",
+    )
     s.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="logging level (default: INFO)")  # fmt: skip
@@ -264,6 +280,38 @@ def list_models(*, fetch: bool) -> int:
     return 0
 
 
+def serve_rank(settings: Settings, group) -> int:
+    """One rank of a launched sharded server: rank 0 serves HTTP, the others
+    follow until rank 0's engine closes. Ends with ``os._exit``: after a lost
+    rank, a GPU thread may be stuck in a collective that never returns."""
+    rank = group.rank()
+    logging.getLogger().handlers[0].setFormatter(
+        logging.Formatter(f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    )
+    code = 0
+    if rank == 0:
+        launch.note_rank0_pid()
+        settings = attrs.evolve(settings, group=group)
+        state = trio.run(lambda: serve(settings, handle_signals=True))
+        if state.phase == "failed":
+            print(f"mlx-nursery: {state.error}", file=sys.stderr)
+            code = 1
+    else:
+
+        async def follow() -> None:
+            async with open_engine(settings.model, settings.engine, group=group):
+                pass
+
+        try:
+            trio.run(follow)
+        except Exception as exc:
+            print(f"mlx-nursery rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -278,6 +326,18 @@ def main(argv: list[str] | None = None) -> int:
         except InvalidRequest as exc:
             flag = (exc.param or "").replace("_", "-")
             parser.error(f"--{flag}: {exc}" if flag else str(exc))
+        ranks = launch.hostfile_ranks(args.hostfile) if args.hostfile else args.ranks
+        if ranks < 1:
+            parser.error("--ranks: must be 1 or more")
+        if ranks > 1 and not launch.in_launch():
+            try:
+                check_shardable(models.resolve(settings.model), ranks)
+            except InvalidRequest as exc:
+                parser.error(f"--ranks: {exc}")
+            maybe_reexec_with_openblas(argv)
+            return launch.launch(argv, ranks, args.hostfile)
+        if ranks > 1:
+            return serve_rank(settings, launch.init_group(ranks))
         maybe_reexec_with_openblas(argv)
         state = trio.run(lambda: serve(settings, handle_signals=True))
         if state.phase == "failed":

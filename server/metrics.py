@@ -63,8 +63,8 @@ class _Snapshot:
     """A prometheus_client collector over one engine snapshot: it yields the
     metric families; the library writes the exposition format."""
 
-    def __init__(self, s: StatsSnapshot) -> None:
-        self.s = s
+    def __init__(self, s: StatsSnapshot, ranks: list[dict] | None = None) -> None:
+        self.s, self.ranks = s, ranks
 
     def collect(self):
         s = self.s
@@ -88,13 +88,35 @@ class _Snapshot:
                 cumulative += n
                 buckets.append((floatToGoString(bound), cumulative))
             yield HistogramMetricFamily(f"{PREFIX}_{name}", help_, buckets=buckets, sum_value=h.sum)
+        if self.ranks:
+            yield from _rank_families(self.ranks)
 
 
-def prometheus(s: StatsSnapshot, accept: str = "") -> tuple[bytes, str]:
-    """The snapshot as Prometheus text (0.0.4), or OpenMetrics when the scraper's
-    ``Accept`` asks for it; returns the body and its content type."""
+_RANK_GAUGES = {
+    "kv_bytes": ("rank_kv_bytes", "KV bytes this rank holds (its shard of every cache)."),
+    "step_seconds": ("rank_step_seconds", "Seconds of this rank's last GPU call."),
+    "busy_seconds": ("rank_busy_seconds", "Seconds this rank spent in GPU calls so far."),
+    "calls": ("rank_calls", "GPU calls this rank has run."),
+}
+
+
+def _rank_families(ranks: list[dict]):
+    """Sharded engines: one series per rank, labelled with its number."""
+    for field, (name, help_) in _RANK_GAUGES.items():
+        family = GaugeMetricFamily(f"{PREFIX}_{name}", help_, labels=["rank"])
+        for r in ranks:
+            family.add_metric([str(r["rank"])], float(r.get(field, 0) or 0))
+        yield family
+
+
+def prometheus(
+    s: StatsSnapshot, accept: str = "", ranks: list[dict] | None = None
+) -> tuple[bytes, str]:
+    """The snapshot (and a sharded engine's per-rank figures) as Prometheus text
+    (0.0.4), or OpenMetrics when the scraper's ``Accept`` asks for it; returns
+    the body and its content type."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(s))
+    registry.register(_Snapshot(s, ranks))
     if "application/openmetrics-text" in accept:
         return openmetrics.generate_latest(registry), openmetrics.CONTENT_TYPE_LATEST
     return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,87 @@
+"""``serve --ranks N`` / ``--hostfile FILE``: one sharded server under ``mlx.launch``.
+
+The command a user types becomes the *launcher*: it checks that the model can
+be split that many ways, then runs ``mlx.launch --backend ring`` with the same
+``serve`` command on every rank (loopback for ``--ranks``, the hostfile's
+machines for ``--hostfile``). Inside the launch, rank 0 serves HTTP and the
+others follow (``actors/ranks.py``). SIGINT/SIGTERM to the launcher go to rank
+0 alone, which drains, closes its followers' connections (they exit), and
+exits; the launcher returns ``mlx.launch``'s status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("mlx_nursery.server")
+
+# mlx.launch's entry point (the module has no __main__ guard).
+_MLX_LAUNCH = "from mlx._distributed_utils.launch import main; main()"
+PIDFILE_ENV = "MLX_NURSERY_RANK0_PIDFILE"  # rank 0 writes its pid here for the launcher
+
+
+def in_launch() -> bool:
+    """Whether this process is one rank of an ``mlx.launch``."""
+    return "MLX_RANK" in os.environ
+
+
+def hostfile_ranks(hostfile: Path) -> int:
+    """How many ranks an mlx.launch hostfile names (one per host entry)."""
+    hosts = json.loads(hostfile.read_text())
+    if not isinstance(hosts, list) or not hosts:
+        raise ValueError(f"{hostfile} is not an mlx.launch hostfile (a JSON list of hosts)")
+    return len(hosts)
+
+
+def launch(argv: list[str], ranks: int, hostfile: Path | None) -> int:
+    """Run ``serve argv`` on every rank under ``mlx.launch`` and wait for it."""
+    pidfile = Path(tempfile.mkdtemp(prefix="mlx-nursery-")) / "rank0.pid"
+    command = [sys.executable, "-c", _MLX_LAUNCH, "--backend", "ring"]
+    if hostfile is not None:
+        command += ["--hostfile", str(hostfile)]
+    else:
+        command += ["--hosts", "127.0.0.1", "-n", str(ranks)]
+    command += ["--env", f"{PIDFILE_ENV}={pidfile}"]
+    command += ["--", sys.executable, "-m", "mlx_nursery.server.cli", *argv]
+    log.info("launching %d ranks: %s", ranks, " ".join(command))
+    proc = subprocess.Popen(command)
+    stopping = []
+
+    def forward(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+        try:
+            os.kill(int(pidfile.read_text()), signal.SIGTERM)
+        except (OSError, ValueError):  # rank 0 not up yet: stop the launch itself
+            proc.terminate()
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while proc.poll() is None:
+        time.sleep(0.1)
+    pidfile.unlink(missing_ok=True)
+    pidfile.parent.rmdir()
+    return proc.returncode
+
+
+def note_rank0_pid() -> None:
+    path = os.environ.get(PIDFILE_ENV)
+    if path:
+        Path(path).write_text(str(os.getpid()))
+
+
+def init_group(ranks: int):
+    """This rank's ``mx.distributed`` group (ring backend, as launched)."""
+    import mlx.core as mx
+
+    group = mx.distributed.init(backend="ring", strict=True)
+    if ranks and group.size() != ranks:
+        raise SystemExit(f"mlx-nursery: launched {group.size()} ranks, but --ranks is {ranks}")
+    return group
