@@ -113,7 +113,7 @@ class Engine:
             "calls": gpu.calls,
             "busy_seconds": gpu.busy_seconds,
             "step_seconds": gpu.last_seconds,
-            "kv_bytes": snap.kv_bytes,
+            "kv_bytes": snap.kv_bytes + snap.prompt_cache_bytes,  # as a follower counts
         }
         return rank_figures(leader, own)
 

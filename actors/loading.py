@@ -29,17 +29,12 @@ class ModelInfo:
 
 def load_model(model: Any, dtype: str | None, group: Any = None) -> tuple[Any, Any, ModelInfo]:
     """Load (a directory, hub id or GGUF file; or take a ``(model, tokenizer)``
-    pair), cast, and inspect the model's caches.
+    pair), cast (see :func:`cast`), and inspect the model's caches.
 
     With ``group`` (an ``mx.distributed`` group of two or more ranks), every rank
     calls this alike: mlx-lm's ``sharded_load`` gives each its shard, and the
     model's inputs go through :class:`ranks.SharedInputs`. The figures (KV costs,
-    weight bytes) are then one rank's share.
-
-    ``dtype`` ``auto`` is float32 on a CPU device (bf16/fp16 matmuls are emulated
-    there, quantized ones are slow), else the stored dtype; None keeps the stored
-    dtype. Casting to float32 dequantizes a quantized model first."""
-    import mlx.core as mx
+    weight bytes) are then one rank's share."""
     from mlx.utils import tree_flatten
     from mlx_lm import load
     from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -59,15 +54,7 @@ def load_model(model: Any, dtype: str | None, group: Any = None) -> tuple[Any, A
         raise ValueError("a sharded engine loads its model itself: pass a path, not a model")
     else:
         model, tokenizer = model
-    if dtype == "auto":
-        dtype = "float32" if mx.default_device().type == mx.DeviceType.cpu else None
-    if dtype == "float32":
-        # Scales first: dequantizing with float16 scales would round every weight.
-        model.set_dtype(mx.float32)
-        _dequantize(model)
-    if dtype is not None:
-        model.set_dtype(getattr(mx, dtype))
-        mx.eval(model.parameters())
+    cast(model, dtype)
     if sharded:
         from .ranks import SharedInputs
 
@@ -92,11 +79,65 @@ def load_model(model: Any, dtype: str | None, group: Any = None) -> tuple[Any, A
     return model, tokenizer, info
 
 
+def cast(model: Any, dtype: str | None) -> None:
+    """Cast the weights in place: ``auto`` is float32 on a CPU device (bf16/fp16
+    matmuls are emulated there, quantized ones are slow), else the stored dtype;
+    None keeps it. Casting to float32 dequantizes a quantized model first."""
+    import mlx.core as mx
+
+    if dtype == "auto":
+        dtype = "float32" if mx.default_device().type == mx.DeviceType.cpu else None
+    if dtype == "float32":
+        # Scales first: dequantizing with float16 scales would round every weight.
+        model.set_dtype(mx.float32)
+        _dequantize(model)
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+        mx.eval(model.parameters())
+
+
 def _dequantize(model: Any) -> None:
-    """Replace quantized layers with float ones, in place (mlx-lm's own helper)."""
+    """Replace quantized layers with float ones, in place (mlx-lm's own helper;
+    a sharded model's quantized shards too, see :func:`_dequantize_shards`)."""
     import mlx.nn as nn
     from mlx_lm.utils import dequantize_model
 
     quantized = (nn.QuantizedLinear, nn.QuantizedEmbedding)
     if any(isinstance(m, quantized) for _, m in model.named_modules()):
         dequantize_model(model)
+    _dequantize_shards(model)
+
+
+def _dequantize_shards(model: Any) -> None:
+    """mlx's sharded quantized linears (what ``shard()`` makes of a quantized
+    model) as sharded float ones: each rank dequantizes its own shard."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+
+    kinds = {
+        nn.QuantizedAllToShardedLinear: nn.AllToShardedLinear,
+        nn.QuantizedShardedToAllLinear: nn.ShardedToAllLinear,
+    }
+    swaps = []
+    for name, module in model.named_modules():
+        float_kind = kinds.get(type(module))
+        if float_kind is None:
+            continue
+        weight = mx.dequantize(
+            module.weight, module.scales, module.biases, module.group_size, module.bits,
+            mode=module.mode,
+        )  # fmt: skip
+        n = module.group.size()
+        out_dims, in_dims = weight.shape
+        if float_kind is nn.AllToShardedLinear:
+            out_dims *= n
+        else:
+            in_dims *= n
+        layer = float_kind(in_dims, out_dims, bias="bias" in module, group=module.group)
+        layer.weight = weight
+        if "bias" in module:
+            layer.bias = module.bias
+        swaps.append((name, layer))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))

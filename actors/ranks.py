@@ -563,8 +563,7 @@ def follow(model: Any, group: Any) -> int:
                 figures["calls"] = n
                 figures["busy_seconds"] += seconds
                 figures["step_seconds"] = seconds
-                if n % 16 == 0 or seconds > HEARTBEAT_SECONDS:
-                    figures["kv_bytes"] = _held_kv(plans)
+                figures["kv_bytes"] = _held_kv(plans)
     finally:
         stop.set()
         sock.close()

@@ -22,6 +22,7 @@ import attrs
 import trio
 from mlx_nursery.actors import (
     Engine,
+    EngineClosed,
     EngineSettings,
     Event,
     FinishReason,
@@ -258,6 +259,9 @@ class Routes:
                 429, str(exc), type="rate_limit_error", code="queue_full",
                 retry_after=math.ceil(exc.retry_after),
             ) from None  # fmt: skip
+        except EngineClosed as exc:  # shutting down, or a sharded engine's ranks lost
+            kind = "service_unavailable"
+            raise ApiError(503, str(exc), type=kind, code="engine_closed") from None
         return stream
 
     def _on_end(self, engine: Engine, parsed: Parsed, request_id: str) -> Callable[[Event], Event]:

@@ -76,6 +76,9 @@ class Parsed:
     # Engine parameter -> the body field it came from, where the names differ, so
     # an engine error names the field the client sent.
     fields: dict[str, str] = attrs.field(factory=dict)
+    # vLLM's extension: each choice (and each streamed chunk) carries the ids of
+    # the tokens it holds, as ``token_ids``.
+    token_ids: bool = False
 
     def field(self, param: str | None) -> str | None:
         return self.fields.get(param, param) if param else param
@@ -94,7 +97,7 @@ _LABELS = ("user", "metadata", "store", "service_tier")
 _COMMON = (
     *_SAMPLING, *_LABELS, "model", "max_completion_tokens", "n", "stream", "stream_options",
     "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-    "chat_template_kwargs",
+    "chat_template_kwargs", "return_token_ids",
 )  # fmt: skip
 _FIELDS = {
     "chat": frozenset((*_COMMON, "messages", "logprobs", "top_logprobs")),
@@ -213,7 +216,8 @@ def parse_chat(body: Mapping[str, Any], defaults: Defaults) -> Parsed:
         if body.get(name) is not None:
             params[name] = body[name]
     stream, include_usage = _stream(body)
-    return Parsed(rendered, params, stream, include_usage, _model(body), Style.CHAT, fields)
+    ids = bool(_bool(body, "return_token_ids"))
+    return Parsed(rendered, params, stream, include_usage, _model(body), Style.CHAT, fields, ids)
 
 
 def parse_completion(body: Mapping[str, Any], defaults: Defaults) -> Parsed:
@@ -232,7 +236,9 @@ def parse_completion(body: Mapping[str, Any], defaults: Defaults) -> Parsed:
         params["top_logprobs"] = body["logprobs"]
         fields["top_logprobs"] = "logprobs"
     stream, include_usage = _stream(body)
-    return Parsed(prompt, params, stream, include_usage, _model(body), Style.COMPLETION, fields)
+    ids = bool(_bool(body, "return_token_ids"))
+    style = Style.COMPLETION
+    return Parsed(prompt, params, stream, include_usage, _model(body), style, fields, ids)
 
 
 # -- responses ------------------------------------------------------------------
@@ -337,6 +343,8 @@ def full_response(parsed: Parsed, model: str, result: Result, tokenizer) -> dict
             "logprobs": lp,
         }
         kind, obj = "cmpl", "text_completion"
+    if parsed.token_ids:
+        choice["token_ids"] = list(result.tokens)
     return {
         "id": new_id(kind),
         "object": obj,
@@ -384,6 +392,7 @@ class ChunkShaper:
         """Whether the event is only more text (most of a stream): see text_frame."""
         return (
             self.sent_role
+            and not self.parsed.token_ids
             and bool(event.text)
             and event.finish_reason is None
             and event.logprob is None
@@ -411,7 +420,8 @@ class ChunkShaper:
         """The chunk for one event, or None when it carries nothing to send."""
         chat = self.parsed.style is Style.CHAT
         finish = event.finish_reason if event.terminal and event.finish_reason.finished else None
-        if not event.text and not event.reasoning and finish is None and event.logprob is None:
+        carries_id = self.parsed.token_ids and event.token is not None
+        if not (event.text or event.reasoning or finish or event.logprob is not None or carries_id):
             return None
         lp = None
         if event.token is not None and event.logprob is not None:
@@ -433,6 +443,8 @@ class ChunkShaper:
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
         else:
             choice = {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": lp}
+        if self.parsed.token_ids:
+            choice["token_ids"] = [] if event.token is None else [event.token]
         self.offset += len(event.text)
         return self._wrap([choice])
 

@@ -8,21 +8,22 @@ mlx-lm's ``sharded_load`` and runs ``stream_generate`` (greedy) on each prompt
 
 import json
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import sharded_load
+from mlx_nursery.actors.loading import cast
 
 
 def main() -> None:
     model_path, prompts_file, out_file = sys.argv[1:4]
     group = mx.distributed.init(backend="ring", strict=True)
     model, tokenizer = sharded_load(model_path, tensor_group=group)
-    model.set_dtype(mx.float32)  # as the engine's dtype "auto" does on a CPU
-    mx.eval(model.parameters())
+    cast(model, "auto")  # the engine's dtype: float32 on a CPU (dequantized shards)
     out = []
-    for prompt in json.loads(open(prompts_file).read()):
+    for prompt in json.loads(Path(prompts_file).read_text()):
         tokens = [
             r.token
             for r in stream_generate(
@@ -36,8 +37,7 @@ def main() -> None:
         # stream_generate stops at EOS and yields it; the engine never shows EOS
         out.append([t for t in tokens if t not in tokenizer.eos_token_ids])
     if group.rank() == 0:
-        with open(out_file, "w") as f:
-            json.dump(out, f)
+        Path(out_file).write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,277 @@
+"""Scale-out: the engine sharded over two ranks of ``mlx.launch`` on loopback.
+
+The oracle is mlx-lm's own tensor-parallel generation under a launch of the same
+size (``scale_out/reference.py``: ``sharded_load`` and ``stream_generate``). The
+sharded server is the real thing: ``mlx-nursery serve --ranks 2`` in a process
+of its own, spoken to over HTTP; its answers carry their token ids
+(``return_token_ids``), compared token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from conftest import model_path, sse_events
+from mlx_nursery.actors.ranks import RANK_TIMEOUT, shard_error
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+LAUNCH_TIMEOUT = 180  # seconds for a launch to load and answer /health
+# A lost follower: every live stream gets its error event and [DONE] within this.
+LOSS_SECONDS = RANK_TIMEOUT + 5.0
+_MLX_LAUNCH = "from mlx._distributed_utils.launch import main; main()"
+
+
+def held_out(n: int, seed: int) -> list[dict]:
+    """Prompts no golden holds: byte-level token ids, lengths 3 to 90 (past one
+    prefill chunk of 32), each with its max_tokens."""
+    rng = random.Random(seed)
+    return [
+        {
+            "ids": [rng.randrange(3, 256) for _ in range(rng.randrange(3, 90))],
+            "max_tokens": rng.randrange(16, 40),
+        }
+        for _ in range(n)
+    ]
+
+
+def reference(ranks: int, model: Path, prompts: list[dict]) -> list[list[int]]:
+    """mlx-lm's tensor-parallel stream_generate on ``ranks`` ranks of a launch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
+        src.write_text(json.dumps(prompts))
+        script = HERE / "scale_out" / "reference.py"
+        argv = [sys.executable, "-c", _MLX_LAUNCH, "--backend", "ring", "--hosts",
+                "127.0.0.1", "-n", str(ranks), "--", sys.executable,
+                str(script), str(model), str(src), str(out)]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        assert out.is_file(), done.stderr[-3000:]
+        return json.loads(out.read_text())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@asynccontextmanager
+async def sharded_server(ranks: int, model: Path, *args: str):
+    """``mlx-nursery serve --ranks N`` (the launcher, mlx.launch, N ranks); yields
+    (url, launcher). On exit every rank is stopped, by SIGTERM if still up."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", str(model),
+            "--ranks", str(ranks), "--port", str(port), "--prefill-step-size", "32",
+            *args]  # fmt: skip
+    env = {**os.environ, "MLX_NURSERY_OPENBLAS": "0"}
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
+    launcher = subprocess.Popen(argv, env=env, stdout=log, stderr=log)  # noqa: ASYNC220
+    url = f"http://127.0.0.1:{port}"
+    pids: list[int] = []
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+            with trio.fail_after(LAUNCH_TIMEOUT):
+                while True:
+                    try:
+                        if (await client.get("/health")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    assert launcher.poll() is None, _tail(log)
+                    await trio.sleep(0.1)
+            pids = [r["pid"] for r in (await client.get("/stats")).json()["ranks"]]
+        launcher.log = log
+        yield url, launcher
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+        with trio.CancelScope(shield=True):
+            try:
+                await trio.to_thread.run_sync(launcher.wait, 60)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+        for pid in pids:  # a test failing midway must not leave ranks behind
+            _kill(pid)
+        log.close()
+
+
+def _kill(pid: int) -> None:
+    with suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (ended, not yet reaped by mlx.launch) counts as gone
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def _tail(log) -> str:
+    log.seek(0)
+    return log.read().decode(errors="replace")[-4000:]
+
+
+async def complete(client: httpx.AsyncClient, prompt: dict, delay: float = 0.0) -> dict:
+    """One streamed completion of ``prompt``: its token ids and its usage."""
+    await trio.sleep(delay)
+    body = {"prompt": prompt["ids"], "max_tokens": prompt["max_tokens"], "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        events = await sse_events(r)
+    tokens = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids", [])]
+    return {"tokens": tokens, "usage": events[-2]["usage"]}
+
+
+async def test_two_ranks_equal_mlx_lm_tensor_parallel_and_stop_on_sigterm():
+    model = model_path("llama")  # 4 heads / 2 KV heads: two ranks hold 2 / 1 each
+    prompts = held_out(8, seed=16)
+    expected = reference(2, model, prompts)
+    async with sharded_server(2, model) as (url, launcher):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            solo = [await complete(client, p) for p in prompts]  # B=1
+            results = [None] * len(prompts)
+
+            async def staggered(i: int) -> None:  # B=8: each joins a running batch
+                results[i] = await complete(client, prompts[i], delay=0.15 * i)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(staggered, i)
+            hit = await complete(client, prompts[0])  # a prompt-cache hit
+            with trio.fail_after(10):  # the follower's figures come with its heartbeat
+                while True:
+                    stats = (await client.get("/stats")).json()
+                    if stats["ranks"][1]["calls"] == stats["ranks"][0]["plans"]:
+                        break
+                    await trio.sleep(0.1)
+            metrics = (await client.get("/metrics")).text
+        assert [r["tokens"] for r in solo] == expected
+        assert [r["tokens"] for r in results] == expected
+        assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert hit["tokens"] == expected[0]
+        ranks = stats["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert ranks[0]["plans"] > 0
+        assert ranks[1]["kv_bytes"] > 0  # its shard of the prompt cache
+        assert 'mlx_nursery_rank_kv_bytes{rank="1"}' in metrics
+        # SIGTERM to the launcher: rank 0 drains and exits, its follower with it.
+        launcher.send_signal(signal.SIGTERM)
+        assert await trio.to_thread.run_sync(launcher.wait, 60) == 0, _tail(launcher.log)
+        for r in ranks:
+            assert not _alive(r["pid"]), f"rank {r['rank']} outlived the launcher"
+
+
+async def _streams_end_with_errors(url: str, lose) -> tuple[list, float, dict]:
+    """Start three long streams, call ``lose()`` once all are decoding, and
+    return each stream's events, the seconds from the loss to the last [DONE],
+    and /health as it answered after."""
+    prompts = held_out(3, seed=7)
+    events: list = [None] * 3
+    ended = []
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        started = trio.Event()
+        firsts = []
+
+        async def stream(i: int) -> None:
+            body = {"prompt": prompts[i]["ids"], "max_tokens": 3000, "stream": True,
+                    "logit_bias": {"258": -100}}  # fmt: skip
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                chunks = []
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        chunks.append(line[6:])
+                        if len(chunks) == 2:
+                            firsts.append(i)
+                            if len(firsts) == 3:
+                                started.set()
+                events[i] = chunks
+                ended.append(time.monotonic())
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(stream, i)
+            await started.wait()
+            lost_at = time.monotonic()
+            lose()
+        health = await client.get("/health")
+    return events, max(ended) - lost_at, {"code": health.status_code, **health.json()}
+
+
+def _assert_error_then_done(events: list) -> None:
+    for chunks in events:
+        assert chunks[-1] == "[DONE]", chunks[-3:]
+        last = json.loads(chunks[-2])
+        assert "error" in last, last
+        assert "rank 1" in last["error"]["message"] or "shutting down" in last["error"][
+            "message"
+        ], last
+
+
+async def test_a_killed_follower_ends_every_stream_with_an_error():
+    async with sharded_server(2, model_path("llama")) as (url, launcher):
+        async with httpx.AsyncClient(base_url=url) as client:
+            follower = (await client.get("/stats")).json()["ranks"][1]["pid"]
+        events, seconds, _ = await _streams_end_with_errors(
+            url, lambda: os.kill(follower, signal.SIGKILL)
+        )
+        assert seconds < LOSS_SECONDS, seconds
+        _assert_error_then_done(events)
+        # mlx.launch stops the other ranks when one dies: rank 0 drains and exits
+        await trio.to_thread.run_sync(launcher.wait, 60)
+
+
+async def test_a_stalled_follower_turns_health_503_and_ends_every_stream():
+    async with sharded_server(2, model_path("llama")) as (url, _):
+        async with httpx.AsyncClient(base_url=url) as client:
+            follower = (await client.get("/stats")).json()["ranks"][1]["pid"]
+        try:
+            events, seconds, health = await _streams_end_with_errors(
+                url, lambda: os.kill(follower, signal.SIGSTOP)
+            )
+            assert seconds < LOSS_SECONDS, seconds
+            _assert_error_then_done(events)
+            assert health["code"] == 503
+            assert "rank 1" in health["error"] and "stalled" in health["error"], health
+            async with httpx.AsyncClient(base_url=url) as client:
+                r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+            assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
+        finally:
+            os.kill(follower, signal.SIGCONT)
+            _kill(follower)
+
+
+def test_a_model_that_cannot_be_split_is_refused_before_launch():
+    llama = json.loads((model_path("llama") / "config.json").read_text())
+    assert shard_error(llama, 2) is None
+    smollm2 = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
+    assert shard_error(smollm2, 3) is None
+    assert shard_error(smollm2, 2) == (
+        "the model cannot be split 2 ways: its 9 attention heads and 3 KV heads do not "
+        "divide by 2; it splits 3 ways"
+    )
+    argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model",
+            str(model_path("llama")), "--ranks", "3", "--port", "0"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--ranks: llama cannot be split 3 ways: its 4 attention heads and 2 KV heads" in (
+        done.stderr
+    ), done.stderr
