@@ -3,7 +3,9 @@
 The GPU thread cannot be interrupted (a call is never abandoned), so a stalled
 call is only seen: while one runs longer than ``step_timeout``, ``Engine.health()``
 names it (``/health`` answers 503 with the reason), the stall is logged and
-counted once, and all returns to healthy when the call completes.
+counted once, and all returns to healthy when the call completes. On a sharded
+engine such a call is a collective that will not end (a rank out of step): the
+ranks are lost (``Gpu.lose``), so every row ends with an error.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class Watchdog:
             if reason is not None and not stalled:
                 log.warning("engine unhealthy: %s", reason)
                 self.stats.post(Count("stalls"))
+                if self.gpu.replica is not None:  # sharded: a collective waits for good
+                    self.gpu.lose(f"{reason}: a collective is waiting on a rank that does not "
+                                  "answer; the sharded engine is stopped")  # fmt: skip
             elif reason is None and stalled:
                 log.warning("engine healthy again: the GPU call completed")
             stalled = reason is not None

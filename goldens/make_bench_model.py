@@ -4,6 +4,10 @@ directory (not committed). No network: the tokenizer is trained on a seeded
 synthetic corpus.
 
     python goldens/make_bench_model.py [--out DIR]    # default ~/.cache/mlx-nursery/bench-llama-30m
+
+``--shardable`` builds its scale-out twin, ``bench-llama-30m-h12``: 12 attention
+heads and 6 KV heads of 48 dims (the 30M's 8 and 8 of 64 split 2 ways, not 3), so
+one model runs on 1, 2 and 3 ranks.
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ CONFIG = {
     "tie_word_embeddings": True,
 }
 
+SHARDABLE = {**CONFIG, "num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 48}
 
-def default_dir() -> Path:
+
+def default_dir(shardable: bool = False) -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "mlx-nursery" / "bench-llama-30m"
+    return Path(root) / "mlx-nursery" / ("bench-llama-30m-h12" if shardable else "bench-llama-30m")
 
 
 def _corpus(rng: np.random.Generator, n_words: int = 200_000) -> list[str]:
@@ -84,14 +90,14 @@ def build_tokenizer(path: Path, rng: np.random.Generator) -> None:
     )
 
 
-def build(out: Path) -> Path:
+def build(out: Path, base: dict = CONFIG) -> Path:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     rng = np.random.default_rng(30)
     build_tokenizer(out, rng)
     vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
-    config = {**CONFIG, "eos_token_id": vocab.get("<|im_end|>", 2)}
+    config = {**base, "eos_token_id": vocab.get("<|im_end|>", 2)}
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     mx.save_safetensors(str(out / "model.safetensors"), _weights(model, 3030), {"format": "mlx"})
@@ -99,20 +105,23 @@ def build(out: Path) -> Path:
     return out
 
 
-def ensure(out: Path | None = None) -> Path:
+def ensure(out: Path | None = None, shardable: bool = False) -> Path:
     """The model directory, built once."""
-    out = out or default_dir()
+    out = out or default_dir(shardable)
     if not (out / "model.safetensors").exists():
-        build(out)
+        build(out, SHARDABLE if shardable else CONFIG)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=default_dir())
+    parser.add_argument("--out", type=Path)
     parser.add_argument("--if-missing", action="store_true", help="keep an existing build")
+    parser.add_argument("--shardable", action="store_true", help="the 12/6-head twin")
     args = parser.parse_args()
-    print(ensure(args.out) if args.if_missing else build(args.out))
+    out = args.out or default_dir(args.shardable)
+    config = SHARDABLE if args.shardable else CONFIG
+    print(ensure(out, args.shardable) if args.if_missing else build(out, config))
 
 
 if __name__ == "__main__":

@@ -667,9 +667,9 @@ def write_docs(results: dict, section: str) -> None:
     doc.write_text(f"{head}{start}\n{body}\n{end}{tail}")
 
 
-def _write_section(tag: str, body: str) -> None:
+def _write_section(tag: str, body: str, page: str = "benchmarks.md") -> None:
     """Replace (or add) the ``<!-- bench:TAG:start/end -->`` block of the page."""
-    doc = DOCS / "benchmarks.md"
+    doc = DOCS / page
     start, end = f"<!-- bench:{tag}:start -->", f"<!-- bench:{tag}:end -->"
     text = doc.read_text()
     if start not in text:
@@ -726,6 +726,103 @@ def copies(model, tokenizer, repeats: int, label: str) -> None:
     _write_section("copies", body)
 
 
+def _loopback_bytes() -> int:
+    """Bytes through the loopback interface so far (Linux; every rank's sends)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == "lo":
+            return int(rest.split()[0])
+    return 0
+
+
+def _config(model: str) -> dict:
+    return json.loads((Path(model) / "config.json").read_text())
+
+
+def scale_out_run(model: str, ranks: int, clients: int) -> dict:
+    """One sharded server (``--ranks``), one load: tok/s, TTFT, and what crossed
+    the loopback per token (every rank's collectives, the plans, and the HTTP
+    of the load itself), with the plans alone from rank 0's figures."""
+    threads = str(max(1, (os.cpu_count() or 1) // ranks))
+    argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", model,
+            "--ranks", str(ranks), "--log-level", "WARNING"]  # fmt: skip
+    saved = os.environ.get("OPENBLAS_NUM_THREADS")
+    os.environ["OPENBLAS_NUM_THREADS"] = threads
+    try:
+        with Server(f"{ranks} ranks", argv, free_port()) as server:
+            load(server, 1, 1, seed=99)  # warm-up
+            stats = httpx.get(f"{server.url}/stats").json()
+            plans0 = stats["ranks"][0]["plan_bytes"] if ranks > 1 else 0
+            lo0 = _loopback_bytes()
+            report = load(server, clients, clients * 2, seed=ranks)
+            lo = _loopback_bytes() - lo0
+            stats = httpx.get(f"{server.url}/stats").json()
+            plans = (stats["ranks"][0]["plan_bytes"] - plans0) * (ranks - 1) if ranks > 1 else 0
+    finally:
+        if saved is None:
+            os.environ.pop("OPENBLAS_NUM_THREADS", None)
+        else:
+            os.environ["OPENBLAS_NUM_THREADS"] = saved
+    tokens = report["completion_tokens"]
+    prompt = LoadSpec(url="").prompt_tokens * clients * 2  # about: one word a token
+    return {
+        "ranks": ranks,
+        "clients": clients,
+        "openblas_threads": int(threads),
+        "tok_s": report["aggregate_tokens_per_second"],
+        "ttft_p50": report["ttft_p50"],
+        "errors": report["errors"],
+        "loopback_bytes_per_token": lo / max(1, tokens),
+        "loopback_bytes_per_processed_token": lo / max(1, tokens + prompt),
+        "plan_bytes_per_token": plans / max(1, tokens),
+    }
+
+
+def collective_bytes(config: dict, ranks: int) -> float:
+    """What mlx-lm's tensor parallel sends per token, all ranks together: two
+    float32 all_sums of the hidden state a layer; a ring all_sum has each rank
+    send 2(N-1)/N of the array."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    return 2 * layers * hidden * 4 * 2 * (ranks - 1)
+
+
+def scale_out(models: list[tuple[str, str, list[int]]]) -> None:
+    rows = []
+    for label, model, counts in models:
+        base = None
+        for ranks in counts:
+            for clients in (1, 8):
+                run = scale_out_run(model, ranks, clients)
+                print(json.dumps(run), flush=True)
+                if ranks == counts[0]:
+                    base = base or {}
+                    base[clients] = run
+                rows.append((label, model, run, base[clients]))
+    lines = [
+        f"Run {time.strftime('%Y-%m-%d')} on this machine ({os.cpu_count()} cores, "
+        f"{platform.machine()} Linux, no GPU); BLAS: {blas()}, OpenBLAS threads per rank "
+        "= cores / ranks; float32; ring backend on loopback. Each load: the benchmark "
+        f"client, {BATCH_TOKENS} tokens per request, about 64-token prompts, 2 requests "
+        "per client. Loopback bytes count every rank's sends (collectives, plans, "
+        "heartbeats) and the load's own HTTP; the HTTP alone is the 1-rank row's.",
+        "",
+        "| model | ranks | clients | tok/s | vs 1 rank | TTFT p50 | loopback B/token | "
+        "of which plans | collectives, arithmetic |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, model, run, base in rows:
+        arith = collective_bytes(_config(model), run["ranks"])
+        ttft = "-" if run["ttft_p50"] is None else f"{run['ttft_p50'] * 1e3:.0f} ms"
+        lines.append(
+            f"| {label} | {run['ranks']} | {run['clients']} | {run['tok_s']:.1f} | "
+            f"{run['tok_s'] / base['tok_s']:.2f}x | {ttft} | "
+            f"{run['loopback_bytes_per_token']:,.0f} | {run['plan_bytes_per_token']:,.0f} | "
+            f"{arith:,.0f} |"
+        )
+    _write_section("scale-out", "\n".join(lines), page="scale-out.md")
+    print("\n".join(lines))
+
+
 def float32_copy(gguf_file: Path) -> Path:
     """The converted GGUF model, dequantized to float32 and saved, so that both
     servers (mlx_lm.server has no dtype flag) and both in-process sides run the
@@ -778,6 +875,12 @@ def main() -> int:
     parser.add_argument(
         "--copies", action="store_true", help="only the KV copy traffic of joins and leaves"
     )
+    parser.add_argument(
+        "--scale-out",
+        action="store_true",
+        help="only the sharded server: tok/s and bytes per token on 1-3 ranks "
+        "(the 30M's 12-head twin, and SmolLM2 on 1 and 3); writes docs/scale-out.md",
+    )
     args = parser.parse_args()
 
     lib = find_openblas()
@@ -789,6 +892,17 @@ def main() -> int:
 
     from .models import DEFAULT, fetch
 
+    if args.scale_out:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "goldens"))
+        from make_bench_model import ensure
+
+        twin = "bench-llama-30m-h12 (12 / 6 heads of 48; otherwise the 30M)"
+        smollm2 = "SmolLM2-135M-Instruct (9 / 3 heads)"
+        scale_out([
+            (twin, str(ensure(shardable=True)), [1, 2, 3]),
+            (smollm2, str(float32_copy(fetch(DEFAULT))), [1, 3]),
+        ])  # fmt: skip
+        return 0
     if args.real:
         args.model = str(float32_copy(fetch(DEFAULT)))
         label, section = "SmolLM2-135M-Instruct (dequantized from its Q4_1 GGUF)", "smollm2"

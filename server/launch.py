@@ -23,8 +23,8 @@ from pathlib import Path
 
 log = logging.getLogger("mlx_nursery.server")
 
-# mlx.launch's entry point (the module has no __main__ guard).
-_MLX_LAUNCH = "from mlx._distributed_utils.launch import main; main()"
+# mlx.launch, as run by the launcher: see mlx_launch.
+MLX_LAUNCH = "from mlx_nursery.server.launch import mlx_launch; mlx_launch()"
 PIDFILE_ENV = "MLX_NURSERY_RANK0_PIDFILE"  # rank 0 writes its pid here for the launcher
 
 
@@ -44,7 +44,7 @@ def hostfile_ranks(hostfile: Path) -> int:
 def launch(argv: list[str], ranks: int, hostfile: Path | None) -> int:
     """Run ``serve argv`` on every rank under ``mlx.launch`` and wait for it."""
     pidfile = Path(tempfile.mkdtemp(prefix="mlx-nursery-")) / "rank0.pid"
-    command = [sys.executable, "-c", _MLX_LAUNCH, "--backend", "ring"]
+    command = [sys.executable, "-c", MLX_LAUNCH, "--backend", "ring"]
     if hostfile is not None:
         command += ["--hostfile", str(hostfile)]
     else:
@@ -52,7 +52,7 @@ def launch(argv: list[str], ranks: int, hostfile: Path | None) -> int:
     command += ["--env", f"{PIDFILE_ENV}={pidfile}"]
     command += ["--", sys.executable, "-m", "mlx_nursery.server.cli", *argv]
     log.info("launching %d ranks: %s", ranks, " ".join(command))
-    proc = subprocess.Popen(command)
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
     stopping = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -69,6 +69,25 @@ def launch(argv: list[str], ranks: int, hostfile: Path | None) -> int:
     pidfile.unlink(missing_ok=True)
     pidfile.parent.rmdir()
     return proc.returncode
+
+
+def mlx_launch() -> None:
+    """``mlx.launch`` (its own ``main``, arguments from ``sys.argv``), with its
+    stdin forwarding turned off. Its loops wait on each rank's stdin being
+    writable, which a pipe always is, and on its own stdin being readable, which
+    one at its end always is: the launch would spin a core for as long as it
+    runs (half of a 2-core machine). No rank reads its stdin."""
+    import select
+
+    from mlx._distributed_utils import launch as mlx
+
+    def quiet_select(r, w, x, timeout=None):
+        r = [fd for fd in r if fd != sys.stdin.fileno()]
+        readable, _, exceptional = select.select(r, [], x, timeout)
+        return readable, [], exceptional
+
+    mlx.select = quiet_select
+    mlx.main()
 
 
 def note_rank0_pid() -> None:

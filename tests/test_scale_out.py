@@ -26,6 +26,7 @@ import pytest
 import trio
 from conftest import model_path, sse_events
 from mlx_nursery.actors.ranks import RANK_TIMEOUT, shard_error
+from mlx_nursery.server.launch import MLX_LAUNCH
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,6 @@ HERE = Path(__file__).resolve().parent
 LAUNCH_TIMEOUT = 180  # seconds for a launch to load and answer /health
 # A lost follower: every live stream gets its error event and [DONE] within this.
 LOSS_SECONDS = RANK_TIMEOUT + 5.0
-_MLX_LAUNCH = "from mlx._distributed_utils.launch import main; main()"
 
 
 def held_out(n: int, seed: int) -> list[dict]:
@@ -55,7 +55,7 @@ def reference(ranks: int, model: Path, prompts: list[dict]) -> list[list[int]]:
         src, out = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
         src.write_text(json.dumps(prompts))
         script = HERE / "scale_out" / "reference.py"
-        argv = [sys.executable, "-c", _MLX_LAUNCH, "--backend", "ring", "--hosts",
+        argv = [sys.executable, "-c", MLX_LAUNCH, "--backend", "ring", "--hosts",
                 "127.0.0.1", "-n", str(ranks), "--", sys.executable,
                 str(script), str(model), str(src), str(out)]  # fmt: skip
         done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
@@ -129,11 +129,14 @@ def _tail(log) -> str:
     return log.read().decode(errors="replace")[-4000:]
 
 
-async def complete(client: httpx.AsyncClient, prompt: dict, delay: float = 0.0) -> dict:
+async def complete(
+    client: httpx.AsyncClient, prompt: dict, delay: float = 0.0, **extra: object
+) -> dict:
     """One streamed completion of ``prompt``: its token ids and its usage."""
     await trio.sleep(delay)
     body = {"prompt": prompt["ids"], "max_tokens": prompt["max_tokens"], "stream": True,
-            "return_token_ids": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "return_token_ids": True, "stream_options": {"include_usage": True},
+            **extra}  # fmt: skip
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
         events = await sse_events(r)
@@ -157,6 +160,7 @@ async def test_two_ranks_equal_mlx_lm_tensor_parallel_and_stop_on_sigterm():
                 for i in range(len(prompts)):
                     nursery.start_soon(staggered, i)
             hit = await complete(client, prompts[0])  # a prompt-cache hit
+            serial = await complete(client, prompts[1], seed=5)  # a seed: the serial lane
             with trio.fail_after(10):  # the follower's figures come with its heartbeat
                 while True:
                     stats = (await client.get("/stats")).json()
@@ -168,6 +172,7 @@ async def test_two_ranks_equal_mlx_lm_tensor_parallel_and_stop_on_sigterm():
         assert [r["tokens"] for r in results] == expected
         assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert hit["tokens"] == expected[0]
+        assert serial["tokens"] == expected[1]
         ranks = stats["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1]
         assert ranks[0]["plans"] > 0
@@ -275,3 +280,46 @@ def test_a_model_that_cannot_be_split_is_refused_before_launch():
     assert "--ranks: llama cannot be split 3 ways: its 4 attention heads and 2 KV heads" in (
         done.stderr
     ), done.stderr
+
+
+@pytest.mark.real
+async def test_three_ranks_of_smollm2_equal_mlx_lm_tensor_parallel():
+    """The real SmolLM2-135M (9 heads / 3 KV heads: three ranks of 3 / 1), chat
+    prompts one at a time and staggered, against mlx-lm's three-rank TP."""
+    from mlx_lm.utils import load_tokenizer
+    from mlx_nursery.server import models
+
+    if not models.DEFAULT.file.is_file():
+        pytest.skip(f"{models.DEFAULT.id} is not in the cache (`mlx-nursery models --fetch`)")
+    model = models.resolve(models.DEFAULT.file)
+    tokenizer = load_tokenizer(model)
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain photosynthesis in one sentence.",
+        "List three prime numbers.",
+        "Translate to French: the cat is on the table.",
+        "What is 12 times 12?",
+    ]
+    prompts = [
+        {"ids": list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True)),
+         "max_tokens": 12}
+        for q in questions
+    ]  # fmt: skip
+    expected = reference(3, model, prompts)
+    async with sharded_server(3, model) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            solo = [await complete(client, p) for p in prompts]
+            results = [None] * len(prompts)
+
+            async def staggered(i: int) -> None:
+                results[i] = await complete(client, prompts[i], delay=0.3 * i)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(staggered, i)
+            ranks = (await client.get("/stats")).json()["ranks"]
+    assert [r["tokens"] for r in solo] == expected
+    assert [r["tokens"] for r in results] == expected
+    assert [r["rank"] for r in ranks] == [0, 1, 2]
