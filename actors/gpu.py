@@ -105,10 +105,11 @@ class Gpu:
                 return outcome.Error(exc)
         result = outcome.capture(fn, *args)
         if replica is not None:
-            try:
-                if isinstance(result, outcome.Value):
-                    replica.walk(args, result.value)
-                elif "[ring]" in str(result.error) or "[jaccl]" in str(result.error):
+            try:  # a follower walks a failed call's arguments too (and no result)
+                replica.walk(args, result.value if isinstance(result, outcome.Value) else None)
+                if isinstance(result, outcome.Error) and (
+                    "[ring]" in str(result.error) or "[jaccl]" in str(result.error)
+                ):
                     self.lose(f"a collective failed ({result.error}); the engine is stopped")
             except Exception as exc:
                 log.exception("walking %r", fn)

@@ -535,6 +535,8 @@ def follow(model: Any, group: Any) -> int:
             try:
                 sock.sendall(line)
             except OSError:
+                if stop.wait(2 * HEARTBEAT_SECONDS):
+                    return  # rank 0 closed the connection: the main thread saw it
                 log.error("rank %d: rank 0 is gone; exiting", group.rank())
                 os._exit(1)  # the main thread may be inside a collective that never ends
 

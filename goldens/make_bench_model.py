@@ -5,9 +5,9 @@ synthetic corpus.
 
     python goldens/make_bench_model.py [--out DIR]    # default ~/.cache/mlx-nursery/bench-llama-30m
 
-``--shardable`` builds its scale-out twin, ``bench-llama-30m-h12``: 12 attention
-heads and 6 KV heads of 48 dims (the 30M's 8 and 8 of 64 split 2 ways, not 3), so
-one model runs on 1, 2 and 3 ranks.
+``--shardable`` builds its scale-out twin, ``bench-llama-30m-h12``: hidden 576 in
+12 attention heads and 6 KV heads of 48 dims (the 30M's 8 and 8 heads split 2
+ways, not 3), so one model runs on 1, 2 and 3 ranks.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ CONFIG = {
     "tie_word_embeddings": True,
 }
 
-SHARDABLE = {**CONFIG, "num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 48}
+SHARDABLE = {**CONFIG, "hidden_size": 576, "num_attention_heads": 12, "num_key_value_heads": 6}
 
 
 def default_dir(shardable: bool = False) -> Path:

@@ -749,22 +749,23 @@ def scale_out_run(model: str, ranks: int, clients: int) -> dict:
     saved = os.environ.get("OPENBLAS_NUM_THREADS")
     os.environ["OPENBLAS_NUM_THREADS"] = threads
     try:
-        with Server(f"{ranks} ranks", argv, free_port()) as server:
+        with Server(f"{ranks} ranks", argv, free_port(), start_seconds=300) as server:
             load(server, 1, 1, seed=99)  # warm-up
-            stats = httpx.get(f"{server.url}/stats").json()
-            plans0 = stats["ranks"][0]["plan_bytes"] if ranks > 1 else 0
+            before = httpx.get(f"{server.url}/stats").json()
             lo0 = _loopback_bytes()
             report = load(server, clients, clients * 2, seed=ranks)
             lo = _loopback_bytes() - lo0
-            stats = httpx.get(f"{server.url}/stats").json()
-            plans = (stats["ranks"][0]["plan_bytes"] - plans0) * (ranks - 1) if ranks > 1 else 0
+            after = httpx.get(f"{server.url}/stats").json()
     finally:
         if saved is None:
             os.environ.pop("OPENBLAS_NUM_THREADS", None)
         else:
             os.environ["OPENBLAS_NUM_THREADS"] = saved
+    plans = 0
+    if ranks > 1:
+        plans = (after["ranks"][0]["plan_bytes"] - before["ranks"][0]["plan_bytes"]) * (ranks - 1)
     tokens = report["completion_tokens"]
-    prompt = LoadSpec(url="").prompt_tokens * clients * 2  # about: one word a token
+    processed = tokens + after["prefill_tokens"] - before["prefill_tokens"]
     return {
         "ranks": ranks,
         "clients": clients,
@@ -772,16 +773,17 @@ def scale_out_run(model: str, ranks: int, clients: int) -> dict:
         "tok_s": report["aggregate_tokens_per_second"],
         "ttft_p50": report["ttft_p50"],
         "errors": report["errors"],
-        "loopback_bytes_per_token": lo / max(1, tokens),
-        "loopback_bytes_per_processed_token": lo / max(1, tokens + prompt),
+        "tokens": tokens,
+        "processed_tokens": processed,
+        "loopback_bytes_per_processed_token": lo / max(1, processed),
         "plan_bytes_per_token": plans / max(1, tokens),
     }
 
 
 def collective_bytes(config: dict, ranks: int) -> float:
     """What mlx-lm's tensor parallel sends per token, all ranks together: two
-    float32 all_sums of the hidden state a layer; a ring all_sum has each rank
-    send 2(N-1)/N of the array."""
+    float32 all_sums of the hidden state a layer; mlx's ring all_sum moves
+    2(N-1) times the array in all (reduce-scatter, then all-gather; measured)."""
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     return 2 * layers * hidden * 4 * 2 * (ranks - 1)
 
@@ -804,10 +806,12 @@ def scale_out(models: list[tuple[str, str, list[int]]]) -> None:
         "= cores / ranks; float32; ring backend on loopback. Each load: the benchmark "
         f"client, {BATCH_TOKENS} tokens per request, about 64-token prompts, 2 requests "
         "per client. Loopback bytes count every rank's sends (collectives, plans, "
-        "heartbeats) and the load's own HTTP; the HTTP alone is the 1-rank row's.",
+        "heartbeats) and the load's own HTTP (the HTTP alone: the 1-rank rows), per "
+        "processed token (prompt tokens computed plus tokens generated); plans per "
+        "generated token.",
         "",
         "| model | ranks | clients | tok/s | vs 1 rank | TTFT p50 | loopback B/token | "
-        "of which plans | collectives, arithmetic |",
+        "collectives B/token, arithmetic | plans B/token |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, model, run, base in rows:
@@ -816,8 +820,8 @@ def scale_out(models: list[tuple[str, str, list[int]]]) -> None:
         lines.append(
             f"| {label} | {run['ranks']} | {run['clients']} | {run['tok_s']:.1f} | "
             f"{run['tok_s'] / base['tok_s']:.2f}x | {ttft} | "
-            f"{run['loopback_bytes_per_token']:,.0f} | {run['plan_bytes_per_token']:,.0f} | "
-            f"{arith:,.0f} |"
+            f"{run['loopback_bytes_per_processed_token']:,.0f} | {arith:,.0f} | "
+            f"{run['plan_bytes_per_token']:,.0f} |"
         )
     _write_section("scale-out", "\n".join(lines), page="scale-out.md")
     print("\n".join(lines))
@@ -896,7 +900,7 @@ def main() -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "goldens"))
         from make_bench_model import ensure
 
-        twin = "bench-llama-30m-h12 (12 / 6 heads of 48; otherwise the 30M)"
+        twin = "bench-llama-30m-h12 (hidden 576, 12 / 6 heads; otherwise the 30M)"
         smollm2 = "SmolLM2-135M-Instruct (9 / 3 heads)"
         scale_out([
             (twin, str(ensure(shardable=True)), [1, 2, 3]),
