@@ -61,7 +61,8 @@ serve: install openblas
 
 # Engine and server against mlx-lm on the 30M benchmark model (built once into
 # ~/.cache/mlx-nursery), then on the real default model (SmolLM2-135M-Instruct,
-# dequantized to float32); writes docs/benchmarks.md, docs/bench/. About 40 minutes.
+# dequantized to float32), then sharded on 1-3 ranks; writes docs/benchmarks.md,
+# docs/bench/ and the table of docs/scale-out.md. About 55 minutes.
 # `make bench PEERS=1` adds vllm-mlx and rapid-mlx (own venvs in ~/.cache/mlx-nursery/peers,
 # installed on first use: each pulls torch, about 6.5 GB and 3 minutes).
 BENCH_MODEL ?= $(HOME)/.cache/mlx-nursery/bench-llama-30m
@@ -71,6 +72,7 @@ bench: install openblas
 	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL) $(if $(PEERS),--peers)
 	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL) --copies
 	$(BIN)/python -m mlx_nursery.server.benchsuite --real $(if $(PEERS),--peers)
+	$(BIN)/python -m mlx_nursery.server.benchsuite --scale-out
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
 # prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.

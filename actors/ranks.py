@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import io
 import itertools
 import json
@@ -44,6 +45,7 @@ import socket
 import struct
 import threading
 import time
+import types
 import weakref
 from pathlib import Path
 from typing import Any
@@ -225,14 +227,27 @@ class _Plans:
         return list(self._objects.values())
 
 
-def _mirrored() -> tuple[type, ...]:
+# Values pickled as they are, asked about first (pickle asks about every object,
+# each token id of a prompt included).
+_PLAIN = frozenset({int, float, str, bool, bytes, type(None), list, tuple, dict, set})
+
+
+@functools.cache
+def _kinds() -> types.SimpleNamespace:
+    """The classes a plan treats apart (imported once, late: they import mlx)."""
+    import mlx.core as mx
     from mlx_lm.models.cache import _BaseCache
 
     from .prompt_cache import Store
-    from .rows import Batch
+    from .request import SamplingParams
+    from .row import Row
+    from .rows import Batch, Prefill
     from .serial import _Generation
 
-    return (_BaseCache, Batch, Store, _Generation)
+    return types.SimpleNamespace(
+        array=mx.array, Store=Store, SamplingParams=SamplingParams, Row=Row,
+        Batch=Batch, Prefill=Prefill, mirrored=(_BaseCache, Batch, Store, _Generation),
+    )  # fmt: skip
 
 
 class _Pickler(pickle.Pickler):
@@ -241,17 +256,12 @@ class _Pickler(pickle.Pickler):
     def __init__(self, file: Any, plans: _Plans, *, lead: bool, walk: bool) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._plans, self._lead, self._walk = plans, lead, walk
-        self._mirrored = _mirrored()
 
     def persistent_id(self, obj: Any) -> Any:
-        import mlx.core as mx
-
-        from .prompt_cache import Store
-        from .request import SamplingParams
-        from .row import Row
-        from .rows import Batch, Prefill
-
-        plans = self._plans
+        if type(obj) in _PLAIN:
+            return None
+        k, plans = _kinds(), self._plans
+        Prefill, Row, SamplingParams = k.Prefill, k.Row, k.SamplingParams
         if obj is plans.model:
             return ("model",)
         if isinstance(obj, Prefill):
@@ -266,18 +276,18 @@ class _Pickler(pickle.Pickler):
             return ("params", obj.max_tokens)
         if isinstance(obj, BaseException):
             return ("error", f"{type(obj).__name__}: {obj}")
-        if isinstance(obj, mx.array):
+        if isinstance(obj, k.array):
             raise TypeError("an mlx array reached a plan: plans carry host values only")
-        if not isinstance(obj, self._mirrored):
+        if not isinstance(obj, k.mirrored):
             return None
         number = plans.number_of(obj)
         if number is not None:
             return ("ref", number)
         if self._walk:
             return ("ref", plans.number(obj, lead=self._lead))
-        if isinstance(obj, Store):
+        if isinstance(obj, k.Store):
             return ("store", plans.number(obj, lead=True), obj.max_size, obj.max_bytes)
-        if isinstance(obj, Batch) and not obj.slots:
+        if isinstance(obj, k.Batch) and not obj.slots:
             return ("batch", plans.number(obj, lead=True))
         raise TypeError(f"a {type(obj).__name__} reached a plan before the followers had one")
 
@@ -371,8 +381,10 @@ class Leader:
     followers: list[Follower]
     plan_bytes: int = 0  # sent to each follower so far
     plans_sent: int = 0
+    plan_seconds: float = 0.0  # GPU-thread time spent making, sending and walking plans
 
     def send(self, fn: Any, args: tuple) -> None:
+        t0 = time.perf_counter()
         buffer = io.BytesIO()
         _Pickler(buffer, self.plans, lead=True, walk=False).dump(
             (self.plans.take_dropped(), fn, args)
@@ -383,9 +395,12 @@ class Leader:
             f.sock.sendall(frame)
         self.plan_bytes += len(frame)
         self.plans_sent += 1
+        self.plan_seconds += time.perf_counter() - t0
 
     def walk(self, args: tuple, result: Any) -> None:
+        t0 = time.perf_counter()
         _walk(self.plans, args, result, lead=True)
+        self.plan_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         for f in self.followers:
@@ -503,7 +518,8 @@ class RankWatch:
 def rank_figures(leader: Leader, own: dict) -> list[dict]:
     """Every rank's figures, rank 0's (``own``) first."""
     out = [{"rank": 0, "pid": os.getpid(), "host": _rank0_host(), **own,
-            "plan_bytes": leader.plan_bytes, "plans": leader.plans_sent}]  # fmt: skip
+            "plan_bytes": leader.plan_bytes, "plans": leader.plans_sent,
+            "plan_seconds": leader.plan_seconds}]  # fmt: skip
     for f in leader.followers:
         out.append({"rank": f.rank, "pid": f.pid, "host": f.host, **f.figures})
     return out

@@ -761,9 +761,11 @@ def scale_out_run(model: str, ranks: int, clients: int) -> dict:
             os.environ.pop("OPENBLAS_NUM_THREADS", None)
         else:
             os.environ["OPENBLAS_NUM_THREADS"] = saved
-    plans = 0
+    plans = plan_seconds = 0
     if ranks > 1:
-        plans = (after["ranks"][0]["plan_bytes"] - before["ranks"][0]["plan_bytes"]) * (ranks - 1)
+        r0, b0 = after["ranks"][0], before["ranks"][0]
+        plans = (r0["plan_bytes"] - b0["plan_bytes"]) * (ranks - 1)
+        plan_seconds = r0["plan_seconds"] - b0["plan_seconds"]
     tokens = report["completion_tokens"]
     processed = tokens + after["prefill_tokens"] - before["prefill_tokens"]
     return {
@@ -777,6 +779,7 @@ def scale_out_run(model: str, ranks: int, clients: int) -> dict:
         "processed_tokens": processed,
         "loopback_bytes_per_processed_token": lo / max(1, processed),
         "plan_bytes_per_token": plans / max(1, tokens),
+        "plan_us_per_token": plan_seconds / max(1, tokens) * 1e6,
     }
 
 
@@ -808,11 +811,12 @@ def scale_out(models: list[tuple[str, str, list[int]]]) -> None:
         "per client. Loopback bytes count every rank's sends (collectives, plans, "
         "heartbeats) and the load's own HTTP (the HTTP alone: the 1-rank rows), per "
         "processed token (prompt tokens computed plus tokens generated); plans per "
-        "generated token.",
+        "generated token, bytes to all followers and rank 0's GPU-thread time making, "
+        "sending and walking them.",
         "",
         "| model | ranks | clients | tok/s | vs 1 rank | TTFT p50 | loopback B/token | "
-        "collectives B/token, arithmetic | plans B/token |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "collectives B/token, arithmetic | plans B/token | plans, rank 0 us/token |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, model, run, base in rows:
         arith = collective_bytes(_config(model), run["ranks"])
@@ -821,7 +825,7 @@ def scale_out(models: list[tuple[str, str, list[int]]]) -> None:
             f"| {label} | {run['ranks']} | {run['clients']} | {run['tok_s']:.1f} | "
             f"{run['tok_s'] / base['tok_s']:.2f}x | {ttft} | "
             f"{run['loopback_bytes_per_processed_token']:,.0f} | {arith:,.0f} | "
-            f"{run['plan_bytes_per_token']:,.0f} |"
+            f"{run['plan_bytes_per_token']:,.0f} | {run['plan_us_per_token']:,.0f} |"
         )
     _write_section("scale-out", "\n".join(lines), page="scale-out.md")
     print("\n".join(lines))
