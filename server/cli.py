@@ -326,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         except InvalidRequest as exc:
             flag = (exc.param or "").replace("_", "-")
             parser.error(f"--{flag}: {exc}" if flag else str(exc))
-        ranks = launch.hostfile_ranks(args.hostfile) if args.hostfile else args.ranks
+        try:
+            ranks = launch.hostfile_ranks(args.hostfile) if args.hostfile else args.ranks
+        except ValueError as exc:
+            parser.error(f"--hostfile: {exc}")
         if ranks < 1:
             parser.error("--ranks: must be 1 or more")
         if ranks > 1 and not launch.in_launch():

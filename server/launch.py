@@ -11,7 +11,6 @@ exits; the launcher returns ``mlx.launch``'s status.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -34,10 +33,16 @@ def in_launch() -> bool:
 
 
 def hostfile_ranks(hostfile: Path) -> int:
-    """How many ranks an mlx.launch hostfile names (one per host entry)."""
-    hosts = json.loads(hostfile.read_text())
-    if not isinstance(hosts, list) or not hosts:
-        raise ValueError(f"{hostfile} is not an mlx.launch hostfile (a JSON list of hosts)")
+    """How many ranks an mlx.launch hostfile names (one per host entry), read
+    by mlx's own parser."""
+    from mlx._distributed_utils.common import Hostfile
+
+    try:
+        hosts = Hostfile.from_file(str(hostfile)).hosts
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{hostfile} is not an mlx.launch hostfile: {exc}") from None
+    if not hosts:
+        raise ValueError(f"{hostfile} names no hosts")
     return len(hosts)
 
 
