@@ -162,7 +162,9 @@ class Gpu:
         if self.lost is not None:
             return
         self.lost = reason
-        for job_id in list(self._pending):
+        with self._lock:
+            waiting = list(self._pending)
+        for job_id in waiting:
             self._deliver(job_id, outcome.Error(RanksLost(reason)))
 
     async def stop(self) -> None:

@@ -783,6 +783,56 @@ def scale_out_run(model: str, ranks: int, clients: int) -> dict:
     }
 
 
+def mlx_lm_tp_rank(model: str) -> None:
+    """One rank of mlx-lm's own tensor-parallel generation (``--tp-rank``, run
+    under the launcher by :func:`mlx_lm_tp`): ``sharded_load`` (plain ``load`` on
+    one rank), then mlx-lm's ``generate_step`` (what ``stream_generate`` runs)
+    for 128 greedy tokens after a 64-token prompt, twice; rank 0 prints the
+    second run's decode tok/s as JSON."""
+    import mlx.core as mx
+    from mlx_lm import load as mlx_load
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import sharded_load
+
+    from ..actors.loading import cast
+
+    group = mx.distributed.init(backend="ring", strict=False)
+    if group.size() > 1:
+        loaded, _ = sharded_load(model, tensor_group=group)
+    else:
+        loaded, _ = mlx_load(model)
+    cast(loaded, "auto")  # the engine's dtype: float32 on a CPU
+    prompt = mx.array(list(range(10, 74)))
+    for _ in range(2):  # the first warms up
+        steps = generate_step(prompt, loaded, max_tokens=BATCH_TOKENS, sampler=make_sampler(0.0))
+        next(steps)  # the prompt's token: timed from here, as stream_generate does
+        t0 = time.perf_counter()
+        decoded = sum(1 for _ in steps)  # no stop at EOS: every run decodes as many
+        tok_s = decoded / (time.perf_counter() - t0)
+    if group.rank() == 0:
+        print(json.dumps({"tp_tok_s": tok_s}), flush=True)
+
+
+def mlx_lm_tp(model: str, ranks: int) -> float:
+    """mlx-lm's own tensor-parallel generation at B=1 on ``ranks``
+    ranks, under the same launcher and BLAS threads as the server: the ceiling
+    the sharded engine is measured against (no HTTP, no batching)."""
+    from .launch import MLX_LAUNCH
+
+    threads = str(max(1, (os.cpu_count() or 1) // ranks))
+    rank = [sys.executable, "-m", "mlx_nursery.server.benchsuite", "--tp-rank", model]
+    command = rank
+    if ranks > 1:
+        command = [sys.executable, "-c", MLX_LAUNCH, "--backend", "ring", "--hosts",
+                   "127.0.0.1", "-n", str(ranks), "--", *rank]  # fmt: skip
+    out = subprocess.run(command, env=dict(os.environ, OPENBLAS_NUM_THREADS=threads),
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                         timeout=900, check=True).stdout  # fmt: skip
+    line = next(x for x in out.splitlines() if x.lstrip().startswith('{"tp_tok_s"'))
+    return json.loads(line)["tp_tok_s"]
+
+
 def collective_bytes(config: dict, ranks: int) -> float:
     """What mlx-lm's tensor parallel sends per token, all ranks together: two
     float32 all_sums of the hidden state a layer; mlx's ring all_sum moves
@@ -793,9 +843,12 @@ def collective_bytes(config: dict, ranks: int) -> float:
 
 def scale_out(models: list[tuple[str, str, list[int]]]) -> None:
     rows = []
+    tp: dict[tuple[str, int], float] = {}
     for label, model, counts in models:
         base = None
         for ranks in counts:
+            tp[model, ranks] = mlx_lm_tp(model, ranks)
+            print(json.dumps({"ranks": ranks, "mlx_lm_tp_tok_s": tp[model, ranks]}), flush=True)
             for clients in (1, 8):
                 run = scale_out_run(model, ranks, clients)
                 print(json.dumps(run), flush=True)
@@ -812,18 +865,26 @@ def scale_out(models: list[tuple[str, str, list[int]]]) -> None:
         "heartbeats) and the load's own HTTP (the HTTP alone: the 1-rank rows), per "
         "processed token (prompt tokens computed plus tokens generated); plans per "
         "generated token, bytes to all followers and rank 0's GPU-thread time making, "
-        "sending and walking them.",
+        "sending and walking them. mlx-lm TP: mlx-lm's own tensor-parallel "
+        "`stream_generate` on as many ranks under the same launcher, one request, no "
+        "HTTP (decode tok/s, and against its own one-rank figure).",
         "",
-        "| model | ranks | clients | tok/s | vs 1 rank | TTFT p50 | loopback B/token | "
-        "collectives B/token, arithmetic | plans B/token | plans, rank 0 us/token |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | ranks | clients | tok/s | vs 1 rank | mlx-lm TP, B=1 | TTFT p50 | "
+        "loopback B/token | collectives B/token, arithmetic | plans B/token | "
+        "plans, rank 0 us/token |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    first = {model: counts[0] for _, model, counts in models}
     for label, model, run, base in rows:
+        ref = "-"
+        if run["clients"] == 1:
+            own = tp[model, run["ranks"]]
+            ref = f"{own:.1f} ({own / tp[model, first[model]]:.2f}x)"
         arith = collective_bytes(_config(model), run["ranks"])
         ttft = "-" if run["ttft_p50"] is None else f"{run['ttft_p50'] * 1e3:.0f} ms"
         lines.append(
             f"| {label} | {run['ranks']} | {run['clients']} | {run['tok_s']:.1f} | "
-            f"{run['tok_s'] / base['tok_s']:.2f}x | {ttft} | "
+            f"{run['tok_s'] / base['tok_s']:.2f}x | {ref} | {ttft} | "
             f"{run['loopback_bytes_per_processed_token']:,.0f} | {arith:,.0f} | "
             f"{run['plan_bytes_per_token']:,.0f} | {run['plan_us_per_token']:,.0f} |"
         )
@@ -889,7 +950,11 @@ def main() -> int:
         help="only the sharded server: tok/s and bytes per token on 1-3 ranks "
         "(the 30M's 12-head twin, and SmolLM2 on 1 and 3); writes docs/scale-out.md",
     )
+    parser.add_argument("--tp-rank", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tp_rank:  # one rank of mlx_lm_tp, under the launcher
+        mlx_lm_tp_rank(args.tp_rank)
+        return 0
 
     lib = find_openblas()
     if lib and "openblas" not in os.environ.get("LD_PRELOAD", ""):
