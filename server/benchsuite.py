@@ -865,9 +865,10 @@ def scale_out(models: list[tuple[str, str, list[int]]]) -> None:
         "heartbeats) and the load's own HTTP (the HTTP alone: the 1-rank rows), per "
         "processed token (prompt tokens computed plus tokens generated); plans per "
         "generated token, bytes to all followers and rank 0's GPU-thread time making, "
-        "sending and walking them. mlx-lm TP: mlx-lm's own tensor-parallel "
-        "`stream_generate` on as many ranks under the same launcher, one request, no "
-        "HTTP (decode tok/s, and against its own one-rank figure).",
+        "sending and walking them. mlx-lm TP: mlx-lm's own tensor-parallel generation "
+        "(`generate_step`, what `stream_generate` runs) on as many ranks under the same "
+        "launcher, one request, no HTTP (decode tok/s, and against its own one-rank "
+        "figure).",
         "",
         "| model | ranks | clients | tok/s | vs 1 rank | mlx-lm TP, B=1 | TTFT p50 | "
         "loopback B/token | collectives B/token, arithmetic | plans B/token | "
