@@ -171,17 +171,36 @@ async def sse_events(response: httpx.Response) -> list:
     return out
 
 
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_healthy(client: httpx.AsyncClient, proc, output) -> None:
+    """Poll /health until it answers 200; fail with ``output()`` (the process's
+    last words) if ``proc`` ends first. The caller bounds the wait."""
+    while True:
+        try:
+            if (await client.get("/health")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, output()
+        await trio.sleep(0.05)
+
+
 @asynccontextmanager
 async def server_process(*args: str):
     """`mlx-nursery serve` in a process of its own on a free loopback port (its
     event loop then carries no test-side load); yields (url, pid). SIGTERM at the end."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--port", str(port)]
     env = {**__import__("os").environ, "MLX_NURSERY_OPENBLAS": "0"}
     proc = subprocess.Popen([*argv, *args], env=env, stderr=subprocess.PIPE)  # noqa: ASYNC220
@@ -189,14 +208,7 @@ async def server_process(*args: str):
     try:
         async with httpx.AsyncClient(base_url=url, timeout=5) as client:
             with trio.fail_after(SERVER_TIMEOUT):
-                while True:
-                    try:
-                        if (await client.get("/health")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-                    await trio.sleep(0.05)
+                await wait_healthy(client, proc, lambda: proc.stderr.read().decode()[-2000:])
         yield url, proc.pid
     finally:
         proc.terminate()

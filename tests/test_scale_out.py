@@ -13,7 +13,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from conftest import model_path, sse_events
+from conftest import free_port, model_path, sse_events, wait_healthy
 from mlx_nursery.actors.ranks import RANK_TIMEOUT, shard_error
 from mlx_nursery.server.launch import MLX_LAUNCH
 
@@ -63,17 +62,11 @@ def reference(ranks: int, model: Path, prompts: list[dict]) -> list[list[int]]:
         return json.loads(out.read_text())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @asynccontextmanager
 async def sharded_server(ranks: int, model: Path, *args: str):
     """``mlx-nursery serve --ranks N`` (the launcher, mlx.launch, N ranks); yields
     (url, launcher). On exit every rank is stopped, by SIGTERM if still up."""
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", str(model),
             "--ranks", str(ranks), "--port", str(port), "--prefill-step-size", "32",
             *args]  # fmt: skip
@@ -85,14 +78,7 @@ async def sharded_server(ranks: int, model: Path, *args: str):
     try:
         async with httpx.AsyncClient(base_url=url, timeout=5) as client:
             with trio.fail_after(LAUNCH_TIMEOUT):
-                while True:
-                    try:
-                        if (await client.get("/health")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    assert launcher.poll() is None, _tail(log)
-                    await trio.sleep(0.1)
+                await wait_healthy(client, launcher, lambda: _tail(log))
             pids = [r["pid"] for r in (await client.get("/stats")).json()["ranks"]]
         launcher.log = log
         yield url, launcher
