@@ -248,13 +248,14 @@ class Server:
     proc: subprocess.Popen | None = None
     home: str | None = None  # a fresh HOME for servers that keep state there
     start_seconds: float = 120.0
+    env: dict[str, str] = attrs.field(factory=dict)  # over this process's environment
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> Server:
-        env = dict(os.environ, **{OPENBLAS_ENV: "1"})
+        env = dict(os.environ, **{OPENBLAS_ENV: "1"}, **self.env)
         if self.home is not None:
             env["HOME"] = self.home
         self.proc = subprocess.Popen(
@@ -739,28 +740,26 @@ def _config(model: str) -> dict:
     return json.loads((Path(model) / "config.json").read_text())
 
 
+def _rank_threads(ranks: int) -> str:
+    """OpenBLAS threads for each of ``ranks`` processes: the cores shared out."""
+    return str(max(1, (os.cpu_count() or 1) // ranks))
+
+
 def scale_out_run(model: str, ranks: int, clients: int) -> dict:
     """One sharded server (``--ranks``), one load: tok/s, TTFT, and what crossed
     the loopback per token (every rank's collectives, the plans, and the HTTP
     of the load itself), with the plans alone from rank 0's figures."""
-    threads = str(max(1, (os.cpu_count() or 1) // ranks))
+    threads = _rank_threads(ranks)
     argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", model,
             "--ranks", str(ranks), "--log-level", "WARNING"]  # fmt: skip
-    saved = os.environ.get("OPENBLAS_NUM_THREADS")
-    os.environ["OPENBLAS_NUM_THREADS"] = threads
-    try:
-        with Server(f"{ranks} ranks", argv, free_port(), start_seconds=300) as server:
-            load(server, 1, 1, seed=99)  # warm-up
-            before = httpx.get(f"{server.url}/stats").json()
-            lo0 = _loopback_bytes()
-            report = load(server, clients, clients * 2, seed=ranks)
-            lo = _loopback_bytes() - lo0
-            after = httpx.get(f"{server.url}/stats").json()
-    finally:
-        if saved is None:
-            os.environ.pop("OPENBLAS_NUM_THREADS", None)
-        else:
-            os.environ["OPENBLAS_NUM_THREADS"] = saved
+    env = {"OPENBLAS_NUM_THREADS": threads}
+    with Server(f"{ranks} ranks", argv, free_port(), start_seconds=300, env=env) as server:
+        load(server, 1, 1, seed=99)  # warm-up
+        before = httpx.get(f"{server.url}/stats").json()
+        lo0 = _loopback_bytes()
+        report = load(server, clients, clients * 2, seed=ranks)
+        lo = _loopback_bytes() - lo0
+        after = httpx.get(f"{server.url}/stats").json()
     plans = plan_seconds = 0
     if ranks > 1:
         r0, b0 = after["ranks"][0], before["ranks"][0]
@@ -820,7 +819,7 @@ def mlx_lm_tp(model: str, ranks: int) -> float:
     the sharded engine is measured against (no HTTP, no batching)."""
     from .launch import MLX_LAUNCH
 
-    threads = str(max(1, (os.cpu_count() or 1) // ranks))
+    threads = _rank_threads(ranks)
     rank = [sys.executable, "-m", "mlx_nursery.server.benchsuite", "--tp-rank", model]
     command = rank
     if ranks > 1:
