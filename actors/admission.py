@@ -181,6 +181,14 @@ class Admission:
             self.stats.post(Count("queue_timeouts"))
             await self._end_queued(row, End(FinishReason.ERROR, detail, code="queue_timeout"))
 
+    def refusal(self) -> Refused | None:
+        """What an :class:`Enqueue` gets now: :class:`Refused` while the queue is
+        full, else None. The engine reads it before building a row, so a refused
+        request costs no template rendering or tokenizing (``Engine.submit``)."""
+        if self._closing or len(self._queue) < self.max_queued:
+            return None
+        return Refused(len(self._queue), self.retry_after())
+
     def retry_after(self) -> float:
         """Seconds until the queue ahead has likely drained: its tokens, at the
         measured step time, shared among the batch's slots (at least 1 s)."""
@@ -207,9 +215,9 @@ class Admission:
                         await self._end_queued(
                             row, End(FinishReason.CANCELLED, "engine shutting down")
                         )
-                    elif len(self._queue) >= self.max_queued:
+                    elif (refused := self.refusal()) is not None:
                         self.stats.post(Count("overloaded"))
-                        reply.send_nowait(Refused(len(self._queue), self.retry_after()))
+                        reply.send_nowait(refused)
                         row.events.close()
                     else:
                         reply.send_nowait(Accepted())

@@ -58,6 +58,7 @@ class Engine:
     intake: Intake
     stats_actor: Stats
     _to_admission: trio.MemorySendChannel
+    _admission: Admission  # read only: its refusal, before a row is built
     _gpu: Gpu
     _closed: bool = False
     # Submitted rows, for `live`; a row drops out once nothing else holds it.
@@ -69,12 +70,19 @@ class Engine:
         """Validate and place one request; enter the returned stream to run it.
 
         ``params`` are :class:`SamplingParams` fields (``stop`` may be a string).
-        Raises :class:`InvalidRequest` at once for a request the engine cannot run.
+        Raises :class:`InvalidRequest` at once for a request the engine cannot run,
+        and :class:`Overloaded` while the queue is full: that is checked first, so
+        shedding load costs no rendering or tokenizing (the stream's ``start``
+        still asks admission, which refuses what arrives as the queue fills).
         """
         if self._closed:
             raise EngineClosed("the engine is shutting down and takes no new requests")
         if self._gpu.lost is not None:
             raise EngineClosed(self._gpu.lost)
+        refused = self._admission.refusal()
+        if refused is not None:
+            self.stats_actor.post(Count("overloaded"))
+            raise _overloaded(refused)
         request_id = params.pop("request_id", None)
         try:
             row, receive = self.intake.row(prompt, params)
@@ -197,18 +205,22 @@ class Engine:
         with receive:
             answer = await receive.receive()
         if isinstance(answer, Refused):
-            raise Overloaded(
-                f"the server is busy: {answer.queued} requests are already waiting; "
-                f"retry in {math.ceil(answer.retry_after)} s",
-                queued=answer.queued,
-                retry_after=answer.retry_after,
-            )
+            raise _overloaded(answer)
 
     def _cancel(self, row_id: int, reason: str) -> None:
         # When closing, shutdown cancels every row anyway.
         closed = (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError)
         with contextlib.suppress(*closed):
             self._to_admission.send_nowait(Cancel(row_id, reason))
+
+
+def _overloaded(refused: Refused) -> Overloaded:
+    return Overloaded(
+        f"the server is busy: {refused.queued} requests are already waiting; "
+        f"retry in {math.ceil(refused.retry_after)} s",
+        queued=refused.queued,
+        retry_after=refused.retry_after,
+    )
 
 
 def _idle(s: StatsSnapshot) -> bool:
@@ -273,12 +285,12 @@ async def open_engine(
             mode=_mode(settings.batch, info.batchable),
             kv_budget_bytes=budget,
         )
-        actors, to_admission = _wire(loaded, tokenizer, info, settings, budget, gpu, stats)
+        actors, to_admission, queue = _wire(loaded, tokenizer, info, settings, budget, gpu, stats)
         if sharded:
             actors.append(RankWatch(gpu.replica, gpu))
         ll_tok = await gpu.call_here(ll_tokenizer, tokenizer, info.vocab_size)
         intake = Intake(tokenizer, info, settings, budget, ll_tok)
-        engine = Engine(loaded, tokenizer, info, settings, intake, stats, to_admission, gpu)
+        engine = Engine(loaded, tokenizer, info, settings, intake, stats, to_admission, queue, gpu)
         async with _running(actors) as actors_scope:
             try:
                 yield engine
@@ -298,10 +310,11 @@ def _wire(
     budget: int | None,
     gpu: Gpu,
     stats: Stats,
-) -> tuple[list[Any], trio.MemorySendChannel]:
+) -> tuple[list[Any], trio.MemorySendChannel, Admission]:
     """Open every mailbox, then build each actor with its ends, in one pass. Each
     producer gets its own clone of a send end and closes it when it stops; the
-    originals are closed here, but admission's, which the engine keeps."""
+    originals are closed here, but admission's, which the engine keeps (with
+    the admission actor, whose refusal it reads)."""
     adm = Mailbox.open(admission.MAILBOX_SIZE)
     pre = Mailbox.open(prefill.MAILBOX_SIZE)
     dec = Mailbox.open(decode.MAILBOX_SIZE)
@@ -320,6 +333,19 @@ def _wire(
         }
 
     steps, think = settings.prefill_step_size, info.think
+    queue = Admission(
+        settings.batch,
+        budget,
+        gpu,
+        stats,
+        inbox=adm.inbox,
+        to_prefill=pre.clone(),
+        to_serial=ser.clone(),
+        to_emitter=emit.clone(),
+        to_prompt_cache=to_cache(),
+        max_queued=settings.queue_limit,
+        queue_timeout=settings.queue_timeout,
+    )
     actors: list[Any] = [
         stats,
         Emitter(tokenizer, stats, inbox=emit.inbox, to_admission=adm.clone(), think=think),
@@ -335,19 +361,7 @@ def _wire(
             together=info.padded_prefill,
             **ends(),
         ),
-        Admission(
-            settings.batch,
-            budget,
-            gpu,
-            stats,
-            inbox=adm.inbox,
-            to_prefill=pre.clone(),
-            to_serial=ser.clone(),
-            to_emitter=emit.clone(),
-            to_prompt_cache=to_cache(),
-            max_queued=settings.queue_limit,
-            queue_timeout=settings.queue_timeout,
-        ),
+        queue,
     ]
     actors.append(Watchdog(gpu, stats, settings.step_timeout))
     if cache is not None:
@@ -356,7 +370,7 @@ def _wire(
     for box in (pre, dec, ser, emit, cache):
         if box is not None:
             box.send.close()
-    return actors, adm.send
+    return actors, adm.send, queue
 
 
 @asynccontextmanager

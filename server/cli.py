@@ -260,6 +260,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         max_header_bytes=args.max_header_bytes,
         body_timeout=args.body_timeout,
         request_log=args.request_log,
+        own_process=True,
     )
 
 

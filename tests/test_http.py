@@ -173,6 +173,30 @@ async def test_every_error_is_an_openai_error_and_the_server_stays_up():
                 assert s["submitted"] == 0 and s["active_rows"] == 0
 
 
+async def test_health_answers_before_the_app_with_the_same_cors_and_error_shape():
+    """/health is answered in front of the routed app (it stays fast under load):
+    the same JSON, the same CORS headers as a routed answer, a 405 in the API's
+    shape for any other method."""
+    with trio.fail_after(TIMEOUT):
+        async with running_server(allowed_origins=("http://agents.local",)) as (url, _):
+            async with httpx.AsyncClient(base_url=url) as client:
+                origin = {"Origin": "http://agents.local"}
+                r = await client.get("/health", headers=origin)
+                assert (r.status_code, r.json()) == (200, {"status": "ok"})
+                assert r.headers["content-type"] == "application/json"
+                routed = await client.get("/v1/models", headers=origin)
+                for name in ("allow-origin", "allow-headers", "allow-methods"):
+                    key = f"access-control-{name}"
+                    assert r.headers[key] == routed.headers[key]
+                r = await client.get("/health", headers={"Origin": "http://elsewhere"})
+                assert "access-control-allow-origin" not in r.headers
+                r = await client.post("/health", json={})
+                assert (r.status_code, r.headers["allow"]) == (405, "GET")
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"}
+                assert "use GET" in err["message"]
+
+
 async def test_a_request_beyond_the_kv_budget_is_a_400_and_the_server_stays_up():
     with trio.fail_after(TIMEOUT):
         async with running_server(kv_budget=256 * 512 * 2) as (url, _):
