@@ -285,12 +285,16 @@ async def open_engine(
             mode=_mode(settings.batch, info.batchable),
             kv_budget_bytes=budget,
         )
-        actors, to_admission, queue = _wire(loaded, tokenizer, info, settings, budget, gpu, stats)
+        actors, to_admission, admitter = _wire(
+            loaded, tokenizer, info, settings, budget, gpu, stats
+        )
         if sharded:
             actors.append(RankWatch(gpu.replica, gpu))
         ll_tok = await gpu.call_here(ll_tokenizer, tokenizer, info.vocab_size)
         intake = Intake(tokenizer, info, settings, budget, ll_tok)
-        engine = Engine(loaded, tokenizer, info, settings, intake, stats, to_admission, queue, gpu)
+        engine = Engine(
+            loaded, tokenizer, info, settings, intake, stats, to_admission, admitter, gpu
+        )
         async with _running(actors) as actors_scope:
             try:
                 yield engine
@@ -333,7 +337,7 @@ def _wire(
         }
 
     steps, think = settings.prefill_step_size, info.think
-    queue = Admission(
+    admitter = Admission(
         settings.batch,
         budget,
         gpu,
@@ -361,7 +365,7 @@ def _wire(
             together=info.padded_prefill,
             **ends(),
         ),
-        queue,
+        admitter,
     ]
     actors.append(Watchdog(gpu, stats, settings.step_timeout))
     if cache is not None:
@@ -370,7 +374,7 @@ def _wire(
     for box in (pre, dec, ser, emit, cache):
         if box is not None:
             box.send.close()
-    return actors, adm.send, queue
+    return actors, adm.send, admitter
 
 
 @asynccontextmanager

@@ -7,16 +7,12 @@ model loads. Handlers never touch mlx: they validate, submit, and stream.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import gc
 import hmac
 import json
 import logging
 import math
-import os
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -86,8 +82,8 @@ class Settings:
     request_log: Path | None = None  # one JSON line per finished request (no prompt text)
     # Sharded (under mlx.launch): the mx.distributed group; this process is rank 0.
     group: Any = None
-    # The process is the server's own (the CLI): once the model is loaded, the event
-    # loop is put first (see ``put_the_loop_first``).
+    # The process is the server's own (the CLI): its startup heap is frozen out of
+    # the GC once the model is loaded (``freeze_startup_heap``).
     own_process: bool = False
 
 
@@ -99,32 +95,14 @@ class ServerPhase(enum.StrEnum):
     FAILED = "failed"  # the engine could not start (``error`` says why)
 
 
-COMPUTE_NICE = 10  # the compute threads' nice value, the loop's being 0
-
-
-def put_the_loop_first() -> None:
-    """Keep the event loop (HTTP, /health, every stream) responsive under load,
-    in a process that is the server's own, once the model is loaded:
-
-    - The heap so far lives as long as the server, so it is frozen out of the
-      cyclic GC: a full collection walks only what requests allocated since.
-      Unfrozen it walks ~100k objects (the model, tokenizer and libraries),
-      a ~60 ms stall of the loop on 2 cores.
-    - On Linux every other thread (the GPU thread, mlx's and the BLAS's
-      workers; threads they start inherit it) gets a lower CPU priority, so
-      on a CPU that is also the accelerator the kernel runs the loop first
-      when both want a core. Compute takes whatever the loop leaves, which
-      is most of it; on a Mac the GPU computes and this is not needed.
-    """
+def freeze_startup_heap() -> None:
+    """In a process that is the server's own, once the model is loaded: what
+    loading made (the model, tokenizer and libraries, ~100k objects) lives as
+    long as the server, so it is frozen out of the cyclic GC and a full
+    collection walks only what requests allocated since. Unfrozen, a full
+    collection under load stalled the event loop ~60 ms on 2 cores."""
     gc.collect()
     gc.freeze()
-    if not sys.platform.startswith("linux"):
-        return
-    loop = threading.get_native_id()
-    for tid in os.listdir("/proc/self/task"):
-        if int(tid) != loop:
-            with contextlib.suppress(OSError):  # a thread may have ended meanwhile
-                os.setpriority(os.PRIO_PROCESS, int(tid), COMPUTE_NICE)
 
 
 _UNAVAILABLE = {
@@ -160,7 +138,7 @@ class ServerState:
         try:
             async with open_engine(s.model, s.engine, group=s.group) as engine:
                 if s.own_process:
-                    put_the_loop_first()
+                    freeze_startup_heap()
                 self.engine, self.phase = engine, ServerPhase.SERVING
                 mode = engine.stats().mode
                 log.info("serving %s (batch %d, mode %s)", self.model_id, s.engine.batch, mode)
@@ -468,19 +446,22 @@ class HealthFirst:
         if scope["type"] != "http" or scope["path"] != "/health":
             await self.app(scope, receive, send)
             return
-        if scope["method"] == "GET":
+        method, allow = scope["method"], "GET, HEAD, OPTIONS"
+        if method in ("GET", "HEAD"):
             status, body = self.state.health()
-            headers = {}
+            data, headers = json.dumps(body).encode(), {"Content-Type": "application/json"}
+        elif method == "OPTIONS":  # as Quart answers it on its routes
+            status, data, headers = 200, b"", {"Allow": allow}
         else:
-            err = ApiError(405, f"{scope['method']} is not allowed on /health; use GET")
-            status, body, headers = 405, err.body(), {"Allow": "GET"}
+            err = ApiError(405, f"{method} is not allowed on /health; use GET")
+            status, data = 405, json.dumps(err.body()).encode()
+            headers = {"Content-Type": "application/json", "Allow": allow}
         origin = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"origin"), None)
         headers.update(cors_headers(origin, self.state.settings.allowed_origins))
-        data = json.dumps(body).encode()
-        fields = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
-        fields += [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
+        headers["Content-Length"] = str(len(data))
+        fields = [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
         await send({"type": "http.response.start", "status": status, "headers": fields})
-        await send({"type": "http.response.body", "body": data})
+        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else data})
 
 
 def create_app(settings: Settings) -> QuartTrio:

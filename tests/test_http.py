@@ -175,8 +175,8 @@ async def test_every_error_is_an_openai_error_and_the_server_stays_up():
 
 async def test_health_answers_before_the_app_with_the_same_cors_and_error_shape():
     """/health is answered in front of the routed app (it stays fast under load):
-    the same JSON, the same CORS headers as a routed answer, a 405 in the API's
-    shape for any other method."""
+    the same JSON, the same CORS headers as a routed answer, HEAD and OPTIONS as
+    Quart answers them, a 405 in the API's shape for any other method."""
     with trio.fail_after(TIMEOUT):
         async with running_server(allowed_origins=("http://agents.local",)) as (url, _):
             async with httpx.AsyncClient(base_url=url) as client:
@@ -190,8 +190,13 @@ async def test_health_answers_before_the_app_with_the_same_cors_and_error_shape(
                     assert r.headers[key] == routed.headers[key]
                 r = await client.get("/health", headers={"Origin": "http://elsewhere"})
                 assert "access-control-allow-origin" not in r.headers
+                r = await client.head("/health")
+                assert (r.status_code, r.content, r.headers["content-length"]) == (200, b"", "16")
+                r = await client.options("/health", headers=origin)
+                assert (r.status_code, r.headers["allow"]) == (200, "GET, HEAD, OPTIONS")
+                assert r.headers["access-control-allow-origin"] == "http://agents.local"
                 r = await client.post("/health", json={})
-                assert (r.status_code, r.headers["allow"]) == (405, "GET")
+                assert (r.status_code, r.headers["allow"]) == (405, "GET, HEAD, OPTIONS")
                 err = r.json()["error"]
                 assert set(err) == {"message", "type", "param", "code"}
                 assert "use GET" in err["message"]
