@@ -61,8 +61,9 @@ serve: install openblas
 
 # Engine and server against mlx-lm on the 30M benchmark model (built once into
 # ~/.cache/mlx-nursery), then on the real default model (SmolLM2-135M-Instruct,
-# dequantized to float32), then sharded on 1-3 ranks; writes docs/benchmarks.md,
-# docs/bench/ and the table of docs/scale-out.md. About 55 minutes.
+# dequantized to float32), then sharded on 1-3 ranks, then the overload storm; writes
+# docs/benchmarks.md, docs/bench/ and the tables of docs/scale-out.md and
+# docs/reliability.md. About an hour.
 # `make bench PEERS=1` adds vllm-mlx and rapid-mlx (own venvs in ~/.cache/mlx-nursery/peers,
 # installed on first use: each pulls torch, about 6.5 GB and 3 minutes).
 BENCH_MODEL ?= $(HOME)/.cache/mlx-nursery/bench-llama-30m
@@ -73,6 +74,7 @@ bench: install openblas
 	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL) --copies
 	$(BIN)/python -m mlx_nursery.server.benchsuite --real $(if $(PEERS),--peers)
 	$(BIN)/python -m mlx_nursery.server.benchsuite --scale-out
+	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL) --overload
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
 # prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.

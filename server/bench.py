@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -216,6 +217,85 @@ async def run_load(spec: LoadSpec, progress=None) -> Report:
         health_max=max(health) if health else None,
         first_error=errors[0].error if errors else None,
     )
+
+
+# /health latencies, probed every 5 ms until a line arrives on stdin; JSON on stdout.
+_PROBE = """
+import json, sys, threading, time, httpx
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+out = []
+with httpx.Client(base_url=sys.argv[1], timeout=10) as c:
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        status = c.get("/health").status_code
+        out.append(time.perf_counter() - t0 if status == 200 else -status)
+        time.sleep(0.005)
+print(json.dumps(out))
+"""
+
+
+@attrs.frozen
+class Answer:
+    agent: int
+    turn: int
+    status: int  # 0: the connection failed (body["error"] says how)
+    body: dict
+    retry_after: str | None  # the header, on a 429
+
+
+@attrs.frozen
+class Storm:
+    answers: list[Answer]
+    health: list[float]  # seconds per probe; a probe that was not a 200 is -status
+    wall_seconds: float
+
+    def health_percentile(self, q: float) -> float | None:
+        return percentile([h for h in self.health if h >= 0], q)
+
+
+async def storm(
+    url: str, prompts: Sequence, *, agents: int = 64, turns: int = 5, max_tokens: int = 40
+) -> Storm:
+    """An overload storm: ``agents`` clients arrive at once, each making ``turns``
+    non-streaming completions (agent i's turn n sends ``prompts[(i + n) % len]``)
+    and honouring ``Retry-After`` after a 429, as an agent loop should; meanwhile
+    ``/health`` is probed every 5 ms from a process of its own, so the figure is
+    the server's, not this event loop's (busy with the agents)."""
+    answers: list[Answer] = []
+    limits = httpx.Limits(max_connections=agents + 16)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+
+        async def agent(i: int) -> None:
+            for n in range(turns):
+                body = {"prompt": prompts[(i + n) % len(prompts)], "max_tokens": max_tokens}
+                try:
+                    r = await client.post("/v1/completions", json=body)
+                except httpx.HTTPError as exc:  # status 0: no answer at all
+                    answers.append(Answer(i, n, 0, {"error": f"{type(exc).__name__}: {exc}"}, None))
+                    continue
+                retry = r.headers.get("Retry-After") if r.status_code == 429 else None
+                answers.append(Answer(i, n, r.status_code, r.json(), retry))
+                if retry is not None:
+                    await trio.sleep(int(retry))
+
+        prober = await trio.lowlevel.open_process(
+            [sys.executable, "-c", _PROBE, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        t0 = time.perf_counter()
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(agents):
+                    nursery.start_soon(agent, i)
+        finally:
+            wall = time.perf_counter() - t0
+            with trio.CancelScope(shield=True):
+                await prober.stdin.send_all(b"stop\n")
+                out = []
+                while chunk := await prober.stdout.receive_some():
+                    out.append(chunk)
+                await prober.wait()
+    return Storm(answers, json.loads(b"".join(out)), wall)
 
 
 def _progress_bar(done: int, total: int) -> None:

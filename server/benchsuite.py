@@ -35,7 +35,7 @@ import attrs
 import httpx
 import trio
 
-from .bench import WORDS, LoadSpec, one_request, prompts, run_load
+from .bench import WORDS, LoadSpec, one_request, prompts, run_load, storm
 from .serve import OPENBLAS_ENV, find_openblas
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -892,6 +892,73 @@ def scale_out(models: list[tuple[str, str, list[int]]]) -> None:
     print("\n".join(lines))
 
 
+# -- the overload storm ------------------------------------------------------------
+
+HEALTH_TARGET = 0.020  # /health p99 under the storm (issue 11)
+
+
+def storm_figures(result) -> dict:
+    statuses = [a.status for a in result.answers]
+    return {
+        "health_p50": result.health_percentile(0.5),
+        "health_p99": result.health_percentile(0.99),
+        "health_max": result.health_percentile(1.0),
+        "probes": len(result.health),
+        "ok": statuses.count(200),
+        "refused": statuses.count(429),
+        "other": len(statuses) - statuses.count(200) - statuses.count(429),
+        "wall_seconds": result.wall_seconds,
+    }
+
+
+def overload(models: list[tuple[str, str]], repeats: int) -> None:
+    """The reliability suite's storm (``bench.storm``: 64 agents x 5 requests of 40
+    tokens, honouring Retry-After) as a benchmark: /health latency from a third
+    process, ours with a queue of 8 against mlx_lm.server (which bounds nothing:
+    it takes every request); into docs/reliability.md."""
+    texts = prompts(LoadSpec(url="", requests=16, seed=7))
+    lines = [
+        f"Run {time.strftime('%Y-%m-%d')} on {platform.machine()} Linux, {os.cpu_count()} "
+        f"cores; BLAS: {blas()}; float32; {repeats} storms per server, alternating, "
+        "median (min-max). Target: /health p99 under "
+        f"{HEALTH_TARGET * 1e3:.0f} ms.",
+        "",
+        "| model | server | /health p50 (ms) | /health p99 (ms) | /health max (ms) | "
+        "200s | 429s | other | storm (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for label, model in models:
+        ours = Server(
+            "mlx-nursery",
+            [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", model,
+             "--batch", "8", "--max-queued-requests", "8", "--log-level", "WARNING"],
+            free_port(),
+        )  # fmt: skip
+        theirs = Server(
+            "mlx_lm.server",
+            [sys.executable, "-m", "mlx_lm.server", "--model", model, "--decode-concurrency",
+             "8", "--log-level", "WARNING"],
+            free_port(),
+        )  # fmt: skip
+        runs: dict[str, list[dict]] = {"mlx-nursery": [], "mlx_lm.server": []}
+        with ours, theirs:
+            for _ in range(repeats):
+                for server in (ours, theirs):
+                    r = storm_figures(trio.run(storm, server.url, texts))
+                    runs[server.name].append(r)
+                    p99, worst = r["health_p99"] * 1e3, r["health_max"] * 1e3
+                    print(f"  storm {label} {server.name}: /health p99 {p99:.1f} ms, max "
+                          f"{worst:.1f} ms, {r['ok']} answered, {r['refused']} refused",
+                          flush=True)  # fmt: skip
+        for name, rs in runs.items():
+            cells = [fmt(summary([r[k] for r in rs]), 1e3) for k in
+                     ("health_p50", "health_p99", "health_max")]  # fmt: skip
+            counts = [fmt(summary([r[k] for r in rs]), digits=0) for k in
+                      ("ok", "refused", "other", "wall_seconds")]  # fmt: skip
+            lines.append(f"| {label} | {name} | {' | '.join(cells + counts)} |")
+    _write_section("overload", "\n".join(lines), page="reliability.md")
+
+
 def float32_copy(gguf_file: Path) -> Path:
     """The converted GGUF model, dequantized to float32 and saved, so that both
     servers (mlx_lm.server has no dtype flag) and both in-process sides run the
@@ -950,6 +1017,13 @@ def main() -> int:
         help="only the sharded server: tok/s and bytes per token on 1-3 ranks "
         "(the 30M's 12-head twin, and SmolLM2 on 1 and 3); writes docs/scale-out.md",
     )
+    parser.add_argument(
+        "--overload",
+        action="store_true",
+        help="only the overload storm: /health latency while 64 agents overrun a queue "
+        "of 8, against mlx_lm.server (the golden llama and --model); writes "
+        "docs/reliability.md",
+    )
     parser.add_argument("--tp-rank", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tp_rank:  # one rank of mlx_lm_tp, under the launcher
@@ -975,6 +1049,13 @@ def main() -> int:
             (twin, str(ensure(shardable=True)), [1, 2, 3]),
             (smollm2, str(float32_copy(fetch(DEFAULT))), [1, 3]),
         ])  # fmt: skip
+        return 0
+    if args.overload:
+        golden = ROOT / "goldens" / "models" / "llama"
+        models = [("golden llama (the suite's)", str(golden))]
+        if args.model:
+            models.append(("bench-llama-30m", args.model))
+        overload(models, args.repeats)
         return 0
     if args.real:
         args.model = str(float32_copy(fetch(DEFAULT)))
