@@ -903,7 +903,6 @@ def storm_figures(result) -> dict:
         "health_p50": result.health_percentile(0.5),
         "health_p99": result.health_percentile(0.99),
         "health_max": result.health_percentile(1.0),
-        "probes": len(result.health),
         "ok": statuses.count(200),
         "refused": statuses.count(429),
         "other": len(statuses) - statuses.count(200) - statuses.count(429),
