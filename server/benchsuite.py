@@ -448,11 +448,13 @@ def peers_http(model: str, repeats: int, names: list[str]) -> dict:
     return out
 
 
-def http(model: str, repeats: int, tokenizer) -> dict:
+def both_servers(model: str, *ours_flags: str) -> tuple[Server, Server]:
+    """Ours (``--batch 8`` and ``ours_flags``) and ``mlx_lm.server
+    --decode-concurrency 8`` on the same model, each on a free port."""
     ours = Server(
         "mlx-nursery",
         [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", model,
-         "--batch", "8", "--log-level", "WARNING"],
+         "--batch", "8", *ours_flags, "--log-level", "WARNING"],
         free_port(),
     )  # fmt: skip
     theirs = Server(
@@ -461,6 +463,11 @@ def http(model: str, repeats: int, tokenizer) -> dict:
          "--log-level", "WARNING"],
         free_port(),
     )  # fmt: skip
+    return ours, theirs
+
+
+def http(model: str, repeats: int, tokenizer) -> dict:
+    ours, theirs = both_servers(model)
     out: dict = {"headline": {"ours": [], "mlx_lm": []}, "sweep": {"ours": {}, "mlx_lm": {}}}
     with ours, theirs:
         for server in (ours, theirs):
@@ -927,18 +934,7 @@ def overload(models: list[tuple[str, str]], repeats: int) -> None:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]  # fmt: skip
     for label, model in models:
-        ours = Server(
-            "mlx-nursery",
-            [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", model,
-             "--batch", "8", "--max-queued-requests", "8", "--log-level", "WARNING"],
-            free_port(),
-        )  # fmt: skip
-        theirs = Server(
-            "mlx_lm.server",
-            [sys.executable, "-m", "mlx_lm.server", "--model", model, "--decode-concurrency",
-             "8", "--log-level", "WARNING"],
-            free_port(),
-        )  # fmt: skip
+        ours, theirs = both_servers(model, "--max-queued-requests", "8")
         runs: dict[str, list[dict]] = {"mlx-nursery": [], "mlx_lm.server": []}
         with ours, theirs:
             for _ in range(repeats):
