@@ -24,6 +24,7 @@ from .request import (
     TopLogprob,
     Usage,
 )
+from .row import RowView
 from .settings import EngineSettings
 from .stats import HistogramSnapshot, StatsSnapshot
 from .stream import RequestStream

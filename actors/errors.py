@@ -42,3 +42,7 @@ class GenerationFailed(EngineError):
     def __init__(self, message: str | None, *, code: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+class RanksLost(EngineError):
+    """A follower died or stalled: the sharded engine cannot run another step."""

@@ -31,6 +31,7 @@ import attrs
 import outcome
 import trio
 
+from .errors import RanksLost
 from .request import Lane
 
 log = logging.getLogger("mlx_nursery.engine")
@@ -89,8 +90,6 @@ class Gpu:
     def _run(self, fn: Callable[..., Any], args: tuple, here: bool) -> outcome.Outcome:
         """One call; sharded, its plan goes to the followers first (and after it,
         both sides number what it made)."""
-        from .ranks import RanksLost
-
         if self.lost is not None:
             return outcome.Error(RanksLost(self.lost))
         replica = None if here else self.replica
@@ -125,8 +124,6 @@ class Gpu:
         return await self._call(fn, args, here=True)
 
     async def _call(self, fn: Callable[..., Any], args: tuple, here: bool) -> Any:
-        from .ranks import RanksLost
-
         if self._thread is None:
             raise RuntimeError("the GPU actor is not running")
         if self.lost is not None:
@@ -157,8 +154,6 @@ class Gpu:
         """The ranks are lost (any thread): every call waiting, and every later
         one, raises ``RanksLost(reason)``; a call stuck in a collective is
         abandoned to its thread."""
-        from .ranks import RanksLost
-
         if self.lost is not None:
             return
         self.lost = reason

@@ -8,6 +8,8 @@ from typing import Any
 import attrs
 
 from .budget import LayerCost, probe
+from .models import resolve, short_id
+from .ranks import SharedInputs, sharded_load
 
 
 @attrs.frozen
@@ -38,15 +40,12 @@ def load_model(model: Any, dtype: str | None, group: Any = None) -> tuple[Any, A
     from mlx.utils import tree_flatten
     from mlx_lm import load
     from mlx_lm.models.cache import KVCache, make_prompt_cache
-    from mlx_nursery.server.models import resolve, short_id
 
     name = "model"
     sharded = group is not None and group.size() > 1
     if isinstance(model, str | Path):
         name = short_id(model)
         if sharded:
-            from .ranks import sharded_load
-
             model, tokenizer = sharded_load(resolve(model), group)
         else:
             model, tokenizer = load(str(resolve(model)))
@@ -56,8 +55,6 @@ def load_model(model: Any, dtype: str | None, group: Any = None) -> tuple[Any, A
         model, tokenizer = model
     cast(model, dtype)
     if sharded:
-        from .ranks import SharedInputs
-
         model = SharedInputs(model, group)
     caches = make_prompt_cache(model)
     args = getattr(model, "args", None)

@@ -32,8 +32,9 @@ import numpy as np
 import trio
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from .errors import RanksLost
 from .gpu import Gpu
-from .ranks import RanksLost
+from .ranks import Mirrored, mirrored
 from .request import CacheReason, CacheReport
 from .row import Row
 from .stats import Count, Gauge, Stats
@@ -99,6 +100,7 @@ class _RecordingLRU:
         return model, tokens
 
 
+@mirrored(Mirrored.STORE)
 class Store(LRUPromptCache):
     """mlx-lm's LRU prompt cache with a copy-free, prefix-strict take (GPU thread)."""
 

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import BatchKVCache, CacheList, TokenBuffer, make_promp
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
 from .prompt_cache import clone
+from .ranks import Mirrored, mirrored
 from .request import SamplingParams, TopLogprob
 
 
@@ -162,6 +163,7 @@ def _first_kv(caches: Sequence[Any]) -> BatchKVCache | None:
     return None
 
 
+@mirrored(Mirrored.BATCH)
 @attrs.define(eq=False)
 class Batch:
     """Rows decoding together. ``batched`` is False while the caches are one row's
@@ -421,6 +423,7 @@ class Batch:
         return Sampled(token, logprob, top)
 
 
+@mirrored(Mirrored.PREFILL)
 @attrs.define(eq=False)
 class Prefill:
     """A joiner's solo prefill: its prompt but the last token, chunk by chunk, on

@@ -19,6 +19,7 @@ from .emitter import Ended, TokenOut, Tokens
 from .gpu import Gpu
 from .mailbox import closing
 from .prompt_cache import Hit, Put, take, worth_keeping
+from .ranks import Mirrored, mirrored
 from .request import FinishReason
 from .row import Cancel, End, Finish, Phase, Row
 from .rows import build_sampling, read_logprobs
@@ -27,6 +28,7 @@ from .stats import Count, Gauge, Stats
 MAILBOX_SIZE = 4096
 
 
+@mirrored(Mirrored.GENERATION)
 @attrs.define(eq=False)
 class _Generation:
     """GPU-thread side: mlx-lm's generate_step for one row."""
@@ -34,6 +36,10 @@ class _Generation:
     row: Row
     steps: Any  # the generate_step generator
     caches: list  # its KV, kept here so its bytes can be reported
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
 
     @classmethod
     def start(cls, model: Any, row: Row, prefill_step_size: int, hit: Hit) -> _Generation:

@@ -32,13 +32,13 @@ from mlx_nursery.actors import (
     Overloaded,
     open_engine,
 )
+from mlx_nursery.actors.models import short_id
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from . import anthropic, dashboard, responses
 from .metrics import prometheus, stats_json
-from .models import short_id
 from .protocol import (
     ApiError,
     ChunkShaper,

@@ -962,8 +962,7 @@ def float32_copy(gguf_file: Path) -> Path:
 
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model, load, save_model
-
-    from .models import resolve
+    from mlx_nursery.actors.models import resolve
 
     source = Path(resolve(gguf_file))
     out = source.with_name(source.name + "-float32")
@@ -1031,8 +1030,7 @@ def main() -> int:
                                    *sys.argv[1:]], dict(os.environ, LD_PRELOAD=lib))  # fmt: skip
 
     from mlx_lm import load as mlx_load
-
-    from .models import DEFAULT, fetch
+    from mlx_nursery.actors.models import DEFAULT, fetch
 
     if args.scale_out:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "goldens"))

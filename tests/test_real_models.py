@@ -15,7 +15,7 @@ import pytest
 import trio
 from conftest import checked_engine
 from mlx_lm import stream_generate
-from mlx_nursery.server import models
+from mlx_nursery.actors import models
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 

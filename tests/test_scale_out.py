@@ -24,7 +24,8 @@ import httpx
 import pytest
 import trio
 from conftest import free_port, model_path, sse_events, wait_healthy
-from mlx_nursery.actors.ranks import RANK_TIMEOUT, shard_error
+from mlx_nursery.actors.ranks import shard_error
+from mlx_nursery.actors.ranks.link import RANK_TIMEOUT
 from mlx_nursery.server.launch import MLX_LAUNCH
 
 pytestmark = pytest.mark.slow
@@ -275,7 +276,7 @@ async def test_three_ranks_of_smollm2_equal_mlx_lm_tensor_parallel():
     """The real SmolLM2-135M (9 heads / 3 KV heads: three ranks of 3 / 1), chat
     prompts one at a time and staggered, against mlx-lm's three-rank TP."""
     from mlx_lm.utils import load_tokenizer
-    from mlx_nursery.server import models
+    from mlx_nursery.actors import models
 
     if not models.DEFAULT.file.is_file():
         pytest.skip(f"{models.DEFAULT.id} is not in the cache (`mlx-nursery models --fetch`)")

@@ -24,9 +24,7 @@ import attrs
 
 from .gguf import cache_root, converted, sha256
 
-__all__ = ["cache_root"]  # re-exported for the CLI
-
-log = logging.getLogger("mlx_nursery.server")
+log = logging.getLogger("mlx_nursery.models")
 
 FETCH_TIMEOUT_SECONDS = 600
 
