@@ -138,13 +138,16 @@ class Emitter:
         return _Delivery(self.tokenizer.detokenizer, tools=tools, thinking=thinking)
 
     @staticmethod
-    def _split(d: _Delivery, text: str, *, final: bool = False) -> tuple[str, str, list]:
-        """(content, reasoning, tool calls) of newly shown text."""
+    def _split(
+        d: _Delivery, text: str, *, final: bool = False, cut: bool = False
+    ) -> tuple[str, str, list]:
+        """(content, reasoning, tool calls) of newly shown text; ``cut``: the row
+        ended at max_tokens (a call it was opening is dropped, never shown)."""
         reasoning, calls = "", []
         if d.thinking is not None:
             text, reasoning = d.thinking.feed(text, final=final)
         if d.tools is not None:
-            text, calls = d.tools.feed(text, final=final)
+            text, calls = d.tools.feed(text, final=final, cut=cut)
         return text, reasoning, calls
 
     def _token(self, item: TokenOut) -> int:
@@ -219,7 +222,8 @@ class Emitter:
                 if d.halted is None:
                     d.detokenizer.finalize()
                     text, _, _ = _split_stop(d.held + d.detokenizer.last_segment, row.params.stop)
-                text, reasoning, calls = self._split(d, text, final=True)
+                cut = reason is FinishReason.LENGTH
+                text, reasoning, calls = self._split(d, text, final=True, cut=cut)
                 if reason is FinishReason.STOP and d.tools is not None and d.tools.calls:
                     reason = FinishReason.TOOL_CALLS
             except Exception as exc:

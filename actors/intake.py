@@ -76,7 +76,7 @@ class Intake:
     ) -> tuple[SamplingParams, list[int], int | None]:
         """The request's parameters (tool choice settled) and its prompt's token ids,
         tools rendered in; and where its last chat message starts."""
-        sampling = SamplingParams.build({"max_tokens": self.settings.max_tokens, **params})
+        sampling = SamplingParams.build({**self.settings.request_defaults, **params})
         choice = chosen(sampling.tools, sampling.tool_choice)
         fmt = tool_format(self.tokenizer, choice)
         sampling = attrs.evolve(sampling, tool_choice=choice, tool_format=fmt)

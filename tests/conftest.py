@@ -133,8 +133,8 @@ async def running_server(model=None, **overrides):
     ``model``: a path or a (model, tokenizer) pair); ``overrides`` are server or
     engine settings by name. Yields (url, state); checks the ledger afterwards."""
     from mlx_nursery.actors import EngineSettings
-    from mlx_nursery.server.app import Settings
     from mlx_nursery.server.serve import serve
+    from mlx_nursery.server.settings import Settings
 
     engine_fields = attrs.fields_dict(EngineSettings)
     engine = {k: v for k, v in overrides.items() if k in engine_fields}

@@ -13,14 +13,27 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 from mlx_nursery.actors import Event, FinishReason, Result, Usage
 
-from .protocol import Defaults, Parsed, Style, bad, json_schema_format, stream_and_model
+from .base import (
+    Api,
+    Parsed,
+    Served,
+    Shaper,
+    Style,
+    bad,
+    check_bool,
+    json_schema_format,
+    model_of,
+    new_id,
+    object_body,
+    refuse_unknown,
+    sse_event,
+)
 
 _FIELDS = frozenset((
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
@@ -30,7 +43,7 @@ _FIELDS = frozenset((
 
 
 def _new(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+    return new_id(prefix, "_")
 
 
 def _content(content: Any, where: str) -> str:
@@ -116,12 +129,9 @@ def _format(body: Mapping[str, Any], params: dict) -> None:
         raise bad("text.format.type must be text, json_object or json_schema", "text")
 
 
-def parse_responses(body: Any, defaults: Defaults) -> Parsed:
-    if not isinstance(body, Mapping):
-        raise bad("the request body must be a JSON object")
-    for name in body:
-        if name not in _FIELDS:
-            raise bad(f"unknown field {name!r}: /v1/responses does not take it", name)
+def parse_responses(body: Any) -> Parsed:
+    body = object_body(body)
+    refuse_unknown(body, _FIELDS, "/v1/responses")
     if body.get("previous_response_id") is not None:
         raise bad("previous_response_id is not supported: this server keeps no responses; "
                   "send the whole conversation in 'input'", "previous_response_id")  # fmt: skip
@@ -132,15 +142,17 @@ def parse_responses(body: Any, defaults: Defaults) -> Parsed:
         chat.insert(
             0, {"role": "system", "content": _content(body["instructions"], "instructions")}
         )
-    params: dict[str, Any] = {"max_tokens": body.get("max_output_tokens") or defaults.max_tokens}
-    for name in ("temperature", "top_p"):
-        params[name] = body[name] if body.get(name) is not None else getattr(defaults, name)
+    params: dict[str, Any] = {}
+    for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"),
+                         ("top_p", "top_p")):  # fmt: skip
+        if body.get(theirs) is not None:
+            params[ours] = body[theirs]
     _tools(body, params)
     _format(body, params)
     effort = (body.get("reasoning") or {}).get("effort")
     if effort is not None:
         params["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
-    stream, model = stream_and_model(body)
+    stream, model = bool(check_bool(body, "stream")), model_of(body)
     fields = {"max_tokens": "max_output_tokens", "response_format": "text"}
     return Parsed(chat, params, stream, False, model, Style.CHAT, fields)
 
@@ -207,7 +219,7 @@ def full_output(result: Result) -> list[dict]:
 
 
 @attrs.define
-class StreamShaper:
+class StreamShaper(Shaper):
     """One response's stream events, numbered; a text item is closed before a
     function call item opens, and everything before ``response.completed``."""
 
@@ -221,7 +233,7 @@ class StreamShaper:
     def _event(self, kind: str, **body: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.seq, **body}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
+        return sse_event(kind, payload)
 
     def start(self) -> bytes:
         snapshot = response_body(self.id, self.model, self.parsed, [], None)
@@ -283,5 +295,20 @@ class StreamShaper:
             out += self._event("response.completed", response=final)
         return out
 
-    def error(self, message: str) -> bytes:
+    def failed(self, event: Event) -> bytes:
+        message = event.error or "the request was cancelled"
         return self._event("error", code="server_error", message=message, param=None)
+
+
+class Responses(Api):
+    name = "responses"
+
+    def parse(self, body: Any) -> Parsed:
+        return parse_responses(body)
+
+    def body(self, parsed: Parsed, result: Result, served: Served) -> dict:
+        output = full_output(result)
+        return response_body(_new("resp"), served.model, parsed, output, result)
+
+    def shaper(self, parsed: Parsed, served: Served) -> StreamShaper:
+        return StreamShaper(served.model, parsed)

@@ -1,88 +1,29 @@
-"""OpenAI request parsing and response shaping: pure functions, no I/O.
-
-``parse_chat`` / ``parse_completion`` turn a JSON body into engine arguments or
-raise :class:`ApiError` naming the field; the ``*_response`` / ``*_chunk``
-functions shape engine results into OpenAI's objects.
-"""
+"""What OpenAI's chat and text completions share: the sampling fields, usage,
+logprobs, the response object and the chunk stream (``ChunkShaper``)."""
 
 from __future__ import annotations
 
-import enum
 import json
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
-from mlx_nursery.actors import Event, Result, Usage
+from mlx_nursery.actors import Event, FinishReason, Result, Usage
 from mlx_nursery.actors.tools import ToolCall
 
-from .request_log import cache_body
-
-
-@attrs.frozen
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    status: int
-    message: str
-    param: str | None = None
-    type: str = "invalid_request_error"
-    code: str | None = None
-    retry_after: int | None = None  # seconds, sent as the Retry-After header
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param)
-
-
-@attrs.frozen
-class Defaults:
-    """Server-wide defaults from the CLI; a request's own fields win."""
-
-    max_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-
-
-class Style(enum.Enum):
-    """Which OpenAI object family a request gets back (and its logprobs shape)."""
-
-    CHAT = "chat"
-    COMPLETION = "completion"
-
-
-@attrs.frozen
-class Parsed:
-    prompt: Any  # token ids, text, or chat messages
-    params: dict[str, Any]  # SamplingParams fields, checked by the engine
-    stream: bool
-    include_usage: bool
-    model: str | None
-    style: Style
-    # Engine parameter -> the body field it came from, where the names differ, so
-    # an engine error names the field the client sent.
-    fields: dict[str, str] = attrs.field(factory=dict)
-    # vLLM's extension: each choice (and each streamed chunk) carries the ids of
-    # the tokens it holds, as ``token_ids``.
-    token_ids: bool = False
-
-    def field(self, param: str | None) -> str | None:
-        return self.fields.get(param, param) if param else param
-
+from ..request_log import cache_body
+from .base import (
+    ApiError,
+    Parsed,
+    Shaper,
+    Style,
+    bad,
+    check_bool,
+    new_id,
+    object_body,
+    sse_frame,
+)
 
 # Body fields that are SamplingParams fields of the same name. Their types and
 # ranges are the engine's to check (one place: SamplingParams).
@@ -104,10 +45,10 @@ _FIELDS = {
     "completion": frozenset((*_COMMON, "prompt", "logprobs", "echo", "suffix", "best_of")),
 }
 # Chat only; checked by the engine.
-_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
 
 
-def _check_fields(body: Mapping[str, Any], route: str) -> None:
+def check_fields(body: Mapping[str, Any], route: str) -> None:
     """A field that changes what the answer means is honoured or refused naming it,
     never silently dropped; an unknown field is refused the same way."""
     for name in body:
@@ -117,7 +58,7 @@ def _check_fields(body: Mapping[str, Any], route: str) -> None:
         if body.get(name) is not None:
             raise bad(f"'{name}' is the deprecated form: send 'tools' / 'tool_choice'", name)
     if route == "completion":
-        for name in _TOOL_FIELDS:
+        for name in TOOL_FIELDS:
             if body.get(name) is not None:
                 raise bad(f"'{name}' needs chat messages: use /v1/chat/completions", name)
     if body.get("echo"):
@@ -128,18 +69,10 @@ def _check_fields(body: Mapping[str, Any], route: str) -> None:
         raise bad("'best_of' must be 1: this server returns one candidate", "best_of")
 
 
-def _bool(body, name) -> bool | None:
-    v = body.get(name)
-    if v is None or isinstance(v, bool):
-        return v
-    raise bad(f"'{name}' must be a boolean, got {type(v).__name__}", name)
-
-
-def _common(body: Mapping[str, Any], defaults: Defaults) -> tuple[dict[str, Any], dict]:
-    """SamplingParams keywords from the body (defaults filled in), and the
-    engine-name -> body-name map for errors."""
-    if not isinstance(body, Mapping):
-        raise bad("the request body must be a JSON object")
+def common(body: Any) -> tuple[Mapping[str, Any], dict[str, Any], dict]:
+    """The body, the SamplingParams keywords it gives, and the engine-name ->
+    body-name map for errors."""
+    body = object_body(body)
     n = body.get("n")
     if n is not None and (n != 1 or isinstance(n, bool)):
         raise bad(f"'n' must be 1: this server returns one choice per request, got {n!r}", "n")
@@ -148,104 +81,18 @@ def _common(body: Mapping[str, Any], defaults: Defaults) -> tuple[dict[str, Any]
     if body.get("max_completion_tokens") is not None:
         params["max_tokens"] = body["max_completion_tokens"]
         fields["max_tokens"] = "max_completion_tokens"
-    for name, value in attrs.asdict(defaults).items():
-        params.setdefault(name, value)
-    return params, fields
+    return body, params, fields
 
 
-def _stream(body) -> tuple[bool, bool]:
-    stream = bool(_bool(body, "stream"))
+def stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = bool(check_bool(body, "stream"))
     opts = body.get("stream_options")
     include_usage = False
     if opts is not None:
         if not isinstance(opts, Mapping):
             raise bad("'stream_options' must be an object", "stream_options")
-        include_usage = bool(_bool(opts, "include_usage"))
+        include_usage = bool(check_bool(opts, "include_usage"))
     return stream, include_usage
-
-
-def json_schema_format(schema: Any) -> dict:
-    """The engine's ``response_format`` for a JSON schema (every API's structured output)."""
-    return {"type": "json_schema", "json_schema": {"schema": schema}}
-
-
-def stream_and_model(body: Mapping[str, Any]) -> tuple[bool, str | None]:
-    """The ``stream`` flag and the ``model`` name, checked as every API needs them."""
-    return bool(_bool(body, "stream")), _model(body)
-
-
-def _model(body) -> str | None:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("'model' must be a string", "model")
-    return model
-
-
-def _content(content, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, Mapping) and part.get("type") == "text"):
-                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
-    if content is None:
-        return ""
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-def parse_chat(body: Mapping[str, Any], defaults: Defaults) -> Parsed:
-    params, fields = _common(body, defaults)
-    _check_fields(body, "chat")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("'messages' must be a non-empty list of messages", "messages")
-    rendered = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
-        rendered.append({**m, "content": _content(m.get("content"), i)})
-    if _bool(body, "logprobs"):
-        params["logprobs"] = True
-        params["top_logprobs"] = body.get("top_logprobs") or 0
-    elif body.get("top_logprobs"):
-        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    for name in _TOOL_FIELDS:
-        if body.get(name) is not None:
-            params[name] = body[name]
-    stream, include_usage = _stream(body)
-    ids = bool(_bool(body, "return_token_ids"))
-    return Parsed(rendered, params, stream, include_usage, _model(body), Style.CHAT, fields, ids)
-
-
-def parse_completion(body: Mapping[str, Any], defaults: Defaults) -> Parsed:
-    params, fields = _common(body, defaults)
-    _check_fields(body, "completion")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    tokens = isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    )
-    if not (isinstance(prompt, str) or tokens):
-        raise bad("'prompt' must be a string or a list of token ids", "prompt")
-    if body.get("logprobs") is not None:  # completions: the number of alternatives
-        params["logprobs"] = True
-        params["top_logprobs"] = body["logprobs"]
-        fields["top_logprobs"] = "logprobs"
-    stream, include_usage = _stream(body)
-    ids = bool(_bool(body, "return_token_ids"))
-    style = Style.COMPLETION
-    return Parsed(prompt, params, stream, include_usage, _model(body), style, fields, ids)
-
-
-# -- responses ------------------------------------------------------------------
-
-
-def new_id(kind: str) -> str:
-    return f"{kind}-{uuid.uuid4().hex[:24]}"
 
 
 def usage_body(usage: Usage) -> dict:
@@ -313,7 +160,7 @@ def tool_call_body(call: ToolCall) -> dict:
     }
 
 
-def full_response(parsed: Parsed, model: str, result: Result, tokenizer) -> dict:
+def full_response(parsed: Parsed, model: str, result: Result, tokenizer: Any) -> dict:
     created = int(time.time())
     if parsed.style is Style.CHAT:
         lp = None
@@ -355,13 +202,8 @@ def full_response(parsed: Parsed, model: str, result: Result, tokenizer) -> dict
     }
 
 
-def sse_frame(body: Any) -> bytes:
-    """One server-sent event carrying ``body`` as compact JSON."""
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-
 @attrs.define
-class ChunkShaper:
+class ChunkShaper(Shaper):
     """Shapes one stream's events into OpenAI chunks (keeps the id and text offset)."""
 
     parsed: Parsed
@@ -387,6 +229,32 @@ class ChunkShaper:
             choice = {"index": 0, "text": marker, "finish_reason": None, "logprobs": None}
         head, tail = sse_frame(self._wrap([choice])).split(json.dumps(marker).encode())
         self._head, self._tail = head, tail
+
+    def event(self, event: Event) -> bytes:
+        """The frames for one event: its text, then the calls it ends on (or
+        before them, when it carries text), then the usage where asked."""
+        if self.plain(event):
+            return self.text_frame(event.text)
+        out = b""
+        chunk = self.chunk(event)
+        if chunk is not None and (event.text or event.reasoning):  # then the calls it preceded
+            out += sse_frame(chunk)
+            chunk = None
+        for tool_chunk in self.tool_chunks(event):
+            out += sse_frame(tool_chunk)
+        if chunk is not None:
+            out += sse_frame(chunk)
+        if event.terminal and self.parsed.include_usage and event.usage is not None:
+            out += sse_frame(self.usage_chunk(event.usage))
+        return out
+
+    def failed(self, event: Event) -> bytes:
+        message = event.error or "the request was cancelled"
+        kind = "server_error" if event.finish_reason is FinishReason.ERROR else "cancelled"
+        return sse_frame(ApiError(500, message, type=kind, code=event.error_code).body())
+
+    def end(self) -> bytes:
+        return b"data: [DONE]\n\n"
 
     def plain(self, event: Event) -> bool:
         """Whether the event is only more text (most of a stream): see text_frame."""

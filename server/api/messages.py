@@ -13,14 +13,29 @@ prefixes by itself, so they are a hint with nothing to add.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 from mlx_nursery.actors import Event, FinishReason, Result, Usage
 
-from .protocol import ApiError, Defaults, Parsed, Style, bad, json_schema_format, stream_and_model
+from .base import (
+    Api,
+    ApiError,
+    Parsed,
+    RawJson,
+    Served,
+    Shaper,
+    Style,
+    bad,
+    check_bool,
+    json_schema_format,
+    model_of,
+    new_id,
+    object_body,
+    refuse_unknown,
+    sse_event,
+)
 
 _FIELDS = frozenset((
     "model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
@@ -130,12 +145,9 @@ def _tools(body: Mapping[str, Any], params: dict) -> None:
         params["parallel_tool_calls"] = False
 
 
-def parse_messages(body: Any, defaults: Defaults) -> Parsed:
-    if not isinstance(body, Mapping):
-        raise bad("the request body must be a JSON object")
-    for name in body:
-        if name not in _FIELDS:
-            raise bad(f"unknown field {name!r}: /v1/messages does not take it", name)
+def parse_messages(body: Any) -> Parsed:
+    body = object_body(body)
+    refuse_unknown(body, _FIELDS, "/v1/messages")
     if body.get("max_tokens") is None:
         raise bad("'max_tokens' is required", "max_tokens")
     messages = body.get("messages")
@@ -149,7 +161,6 @@ def parse_messages(body: Any, defaults: Defaults) -> Parsed:
                          ("stop", "stop_sequences")):  # fmt: skip
         if body.get(theirs) is not None:
             params[ours] = body[theirs]
-    params.setdefault("temperature", defaults.temperature)
     _tools(body, params)
     fmt = (body.get("output_config") or {}).get("format")
     if fmt is not None:
@@ -159,13 +170,13 @@ def parse_messages(body: Any, defaults: Defaults) -> Parsed:
     thinking = body.get("thinking")
     if isinstance(thinking, Mapping) and thinking.get("type") in ("enabled", "disabled"):
         params["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
-    stream, model = stream_and_model(body)
+    stream, model = bool(check_bool(body, "stream")), model_of(body)
     fields = {"stop": "stop_sequences", "response_format": "output_config"}
     return Parsed(chat, params, stream, False, model, Style.CHAT, fields)
 
 
-def new_id() -> str:
-    return f"msg_{uuid.uuid4().hex[:24]}"
+def _message_id() -> str:
+    return new_id("msg", "_")
 
 
 def usage_body(usage: Usage | None, *, output: bool = True) -> dict:
@@ -189,9 +200,9 @@ def message_body(result: Result, model: str) -> dict:
         content.append({"type": "text", "text": result.text})
     for call in result.tool_calls:
         content.append({"type": "tool_use", "id": call.id.replace("call_", "toolu_"),
-                        "name": call.name, "input": json.loads(call.arguments)})  # fmt: skip
+                        "name": call.name, "input": RawJson(call.arguments)})  # fmt: skip
     return {
-        "id": new_id(),
+        "id": _message_id(),
         "type": "message",
         "role": "assistant",
         "model": model,
@@ -208,20 +219,20 @@ def _stop_reason(reason: FinishReason, stop_sequence: str | None) -> str:
     return STOP_REASONS.get(reason, "end_turn")
 
 
-def sse(kind: str, body: dict) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
+sse = sse_event
 
 
 @attrs.define
-class StreamShaper:
+class StreamShaper(Shaper):
     """One message's stream: content blocks opened and closed as the kind of text
     changes (thinking, text, tool_use), then message_delta and message_stop."""
 
     model: str
     prompt_tokens: int
-    id: str = attrs.field(factory=new_id)
+    id: str = attrs.field(factory=_message_id)
     index: int = -1
     open_kind: str | None = None
+    ping: bytes = sse_event("ping", {"type": "ping"})
 
     def start(self) -> bytes:
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -275,5 +286,26 @@ class StreamShaper:
         return out
 
 
+    def failed(self, event: Event) -> bytes:
+        err = ApiError(500, event.error or "the request was cancelled")
+        return sse("error", error_body(err)[0])
+
+
 def count_body(tokens: int) -> dict:
     return {"input_tokens": tokens}
+
+
+class Messages(Api):
+    name = "messages"
+
+    def parse(self, body: Any) -> Parsed:
+        return parse_messages(body)
+
+    def body(self, parsed: Parsed, result: Result, served: Served) -> dict:
+        return message_body(result, served.model)
+
+    def shaper(self, parsed: Parsed, served: Served) -> StreamShaper:
+        return StreamShaper(served.model, served.count(parsed))
+
+    def error(self, err: ApiError) -> tuple[dict, int]:
+        return error_body(err)

@@ -1,0 +1,255 @@
+"""What every API shares: the parsed request, the error, the API's shape, and
+the one SSE loop every stream goes through.
+
+An API is a small object (:class:`Api`): its ``name``, ``parse`` (a JSON body
+into the engine's request, or :class:`ApiError` naming the field), ``body`` (a
+finished result into the API's response object), ``shaper`` (one stream's
+events into the API's frames, a :class:`Shaper`) and ``error`` (an
+:class:`ApiError` into the API's error body and status). The routes drive it;
+nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import attrs
+import trio
+from mlx_nursery.actors import Event, RequestStream, Result
+
+
+@attrs.frozen
+class ApiError(Exception):
+    """An error a client gets, in its API's shape (OpenAI's by default)."""
+
+    status: int
+    message: str
+    param: str | None = None
+    type: str = "invalid_request_error"
+    code: str | None = None
+    retry_after: int | None = None  # seconds, sent as the Retry-After header
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+class Style(enum.Enum):
+    """Which OpenAI object family a request gets back (and its logprobs shape)."""
+
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+
+@attrs.frozen
+class Parsed:
+    """A request as the engine takes it. ``params`` holds only what the client
+    gave: the engine fills in the server's request defaults (one place, every API)."""
+
+    prompt: Any  # token ids, text, or chat messages
+    params: dict[str, Any]  # SamplingParams fields, checked by the engine
+    stream: bool
+    include_usage: bool
+    model: str | None
+    style: Style = Style.CHAT
+    # Engine parameter -> the body field it came from, where the names differ, so
+    # an engine error names the field the client sent.
+    fields: dict[str, str] = attrs.field(factory=dict)
+    # vLLM's extension: each choice (and each streamed chunk) carries the ids of
+    # the tokens it holds, as ``token_ids``.
+    token_ids: bool = False
+
+    def field(self, param: str | None) -> str | None:
+        return self.fields.get(param, param) if param else param
+
+    @property
+    def prompt_params(self) -> dict[str, Any]:
+        """The parameters that shape the prompt (tools, template arguments)."""
+        keys = ("tools", "tool_choice", "chat_template_kwargs")
+        return {k: v for k, v in self.params.items() if k in keys}
+
+
+@attrs.frozen
+class Served:
+    """What a response needs to know of the server: the model's public name, its
+    tokenizer (logprobs' token texts) and a prompt's length in tokens."""
+
+    model: str
+    tokenizer: Any
+    count: Callable[[Parsed], int]
+
+
+class Shaper:
+    """One stream's frames. ``start`` before the first event; ``event`` for each
+    event that is not a failure (the terminal one included); ``failed`` for a
+    terminal error or cancel; ``end`` once the stream is over, either way.
+    ``ping``: a keep-alive frame sent while no event comes for ``PING_SECONDS``
+    (None: the API has none)."""
+
+    ping: bytes | None = None
+
+    def start(self) -> bytes:
+        return b""
+
+    def event(self, event: Event) -> bytes:
+        raise NotImplementedError
+
+    def failed(self, event: Event) -> bytes:
+        raise NotImplementedError
+
+    def end(self) -> bytes:
+        return b""
+
+
+class Api:
+    """One API's translations (see the module's docstring)."""
+
+    name: str  # in the request log, /stats and the dashboard
+
+    def parse(self, body: Any) -> Parsed:
+        raise NotImplementedError
+
+    def body(self, parsed: Parsed, result: Result, served: Served) -> dict | bytes:
+        raise NotImplementedError
+
+    def shaper(self, parsed: Parsed, served: Served) -> Shaper:
+        raise NotImplementedError
+
+    def error(self, err: ApiError) -> tuple[dict, int]:
+        return err.body(), err.status
+
+
+PING_SECONDS = 5.0  # a ping while the first token is not there yet (a long prefill)
+
+
+def _frames(shaper: Shaper, event: Event) -> tuple[bytes, bool]:
+    if event.terminal and not event.finish_reason.finished:
+        return shaper.failed(event), True
+    return shaper.event(event), event.terminal
+
+
+async def sse(stream: RequestStream, shaper: Shaper) -> AsyncIterator[bytes]:
+    """Every API's stream: the shaper's frames for each event, then its end.
+
+    Events already waiting when one is written go out in the same body chunk:
+    a client (or a loaded event loop) that falls behind costs one send, not one
+    per token. Leaving early (the client went away) leaves ``async with
+    stream``, which cancels the row."""
+    async with stream:
+        yield shaper.start()
+        ended = False
+        while not ended:
+            event = None
+            with trio.move_on_after(PING_SECONDS if shaper.ping is not None else float("inf")):
+                event = await anext(stream, _END)
+            if event is None:
+                yield shaper.ping or b""
+                continue
+            if event is _END:
+                break
+            body, ended = _frames(shaper, event)
+            while not ended:
+                try:
+                    more = stream.next_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+                frames, ended = _frames(shaper, more)
+                body += frames
+            if body:
+                yield body
+    yield shaper.end()
+
+
+_END: Any = object()
+
+
+# -- parsing helpers ------------------------------------------------------------------
+
+
+def check_bool(body: Mapping[str, Any], name: str) -> bool | None:
+    v = body.get(name)
+    if v is None or isinstance(v, bool):
+        return v
+    raise bad(f"'{name}' must be a boolean, got {type(v).__name__}", name)
+
+
+def model_of(body: Mapping[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", "model")
+    return model
+
+
+def object_body(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+def refuse_unknown(body: Mapping[str, Any], known: frozenset[str], route: str) -> None:
+    for name in body:
+        if name not in known:
+            raise bad(f"unknown field {name!r}: {route} does not take it", name)
+
+
+def json_schema_format(schema: Any) -> dict:
+    """The engine's ``response_format`` for a JSON schema (every API's structured output)."""
+    return {"type": "json_schema", "json_schema": {"schema": schema}}
+
+
+def new_id(prefix: str, sep: str = "-") -> str:
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
+
+
+# -- JSON out -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RawJson:
+    """JSON text written into a response as it is (a tool call's arguments as the
+    model wrote them), never parsed and written again: a number like ``1E+400``
+    stays that number instead of becoming ``Infinity``, which is not JSON."""
+
+    text: str
+
+
+def dumps(body: Any, **options: Any) -> str:
+    """``json.dumps`` that writes :class:`RawJson` values as their text, and
+    refuses NaN and infinities (strict clients reject them)."""
+    raws: dict[str, str] = {}
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, RawJson):
+            key = f"\x00raw{len(raws)}\x00"
+            raws[key] = obj.text
+            return key
+        raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+    out = json.dumps(body, default=default, allow_nan=False, **options)
+    for key, text in raws.items():
+        out = out.replace(json.dumps(key), text, 1)
+    return out
+
+
+def sse_frame(body: Any) -> bytes:
+    """One server-sent event carrying ``body`` as compact JSON."""
+    return b"data: " + dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_event(kind: str, body: dict) -> bytes:
+    """One named server-sent event (Anthropic's and Responses' streams)."""
+    return f"event: {kind}\ndata: {dumps(body)}\n\n".encode()

@@ -1,0 +1,44 @@
+"""OpenAI text completions (``POST /v1/completions``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_nursery.actors import Result
+
+from .base import Api, Parsed, Served, Style, bad, check_bool, model_of
+from .openai import ChunkShaper, check_fields, common, full_response, stream_flags
+
+
+def parse_completion(body: Any) -> Parsed:
+    body, params, fields = common(body)
+    check_fields(body, "completion")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    tokens = isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    )
+    if not (isinstance(prompt, str) or tokens):
+        raise bad("'prompt' must be a string or a list of token ids", "prompt")
+    if body.get("logprobs") is not None:  # completions: the number of alternatives
+        params["logprobs"] = True
+        params["top_logprobs"] = body["logprobs"]
+        fields["top_logprobs"] = "logprobs"
+    stream, include_usage = stream_flags(body)
+    ids = bool(check_bool(body, "return_token_ids"))
+    style = Style.COMPLETION
+    return Parsed(prompt, params, stream, include_usage, model_of(body), style, fields, ids)
+
+
+class Completions(Api):
+    name = "completions"
+
+    def parse(self, body: Any) -> Parsed:
+        return parse_completion(body)
+
+    def body(self, parsed: Parsed, result: Result, served: Served) -> dict:
+        return full_response(parsed, served.model, result, served.tokenizer)
+
+    def shaper(self, parsed: Parsed, served: Served) -> ChunkShaper:
+        return ChunkShaper(parsed, served.model, served.tokenizer)

@@ -1,0 +1,219 @@
+"""The HTTP routes over one :class:`ServerState`; handlers never touch mlx.
+
+Every API goes through one handler, :meth:`Routes.generate`: read the body,
+let the API parse it, check the model, submit, then either shape the result or
+stream the API's frames through the one SSE loop (``api.base.sse``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import trio
+from mlx_nursery.actors import (
+    Engine,
+    EngineClosed,
+    Event,
+    FinishReason,
+    GenerationFailed,
+    InvalidRequest,
+    Overloaded,
+    RequestStream,
+    Result,
+)
+from quart import Response, request
+
+from . import dashboard
+from .api.base import Api, ApiError, Parsed, Served, bad, dumps, sse
+from .api.messages import Messages, count_body
+from .metrics import prometheus, stats_json
+from .request_log import record_of
+from .settings import Settings
+from .state import ServerState
+
+# Model names that mean "whatever this server serves" ("default_model" as in mlx_lm.server).
+ALIASES = ("default_model", "default")
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(dumps(body), status=status, content_type="application/json")
+
+
+def event_stream(body: Any) -> Response:
+    response = Response(
+        body,
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+    response.timeout = None
+    return response
+
+
+async def body_json(seconds: float) -> Any:
+    """The request body as JSON; a body that does not arrive within ``seconds`` is
+    a 408 (a slow or half-sent request cannot hold the server). NaN and the
+    infinities are refused: they are not JSON."""
+    with trio.move_on_after(seconds) as scope:
+        raw = await request.get_data()
+    if scope.cancelled_caught:
+        raise ApiError(408, f"the request body did not arrive within {seconds:g} s",
+                       code="request_timeout")  # fmt: skip
+    try:
+        return json.loads(raw, parse_constant=_not_json)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad("the request body nests too deeply") from None
+
+
+def _not_json(name: str) -> Any:
+    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
+
+
+@attrs.frozen
+class Routes:
+    """The routes' handlers over one server's state."""
+
+    state: ServerState
+
+    @property
+    def settings(self) -> Settings:
+        return self.state.settings
+
+    def served(self, engine: Engine) -> Served:
+        def count(parsed: Parsed) -> int:
+            return len(engine.encode(parsed.prompt, **parsed.prompt_params))
+
+        return Served(self.state.model_id, engine.tokenizer, count)
+
+    async def generate(self, api: Api) -> Response:
+        """Every API's generation route: the same path, the API's shapes."""
+        engine = self.state.engine_or_503()
+        parsed = api.parse(await body_json(self.settings.body_timeout))
+        self._check_model(parsed)
+        stream = await self._start(engine, parsed, api)
+        served = self.served(engine)
+        if parsed.stream:
+            return event_stream(sse(stream, api.shaper(parsed, served)))
+        result = await self._result(stream)
+        return json_response(api.body(parsed, result, served))
+
+    async def count_tokens(self) -> Response:
+        """Anthropic's ``/v1/messages/count_tokens``: the prompt a message would have."""
+        engine = self.state.engine_or_503()
+        body = await body_json(self.settings.body_timeout)
+        if isinstance(body, dict):
+            body = {"max_tokens": 1, **body}
+        parsed = Messages().parse(body)
+        try:
+            tokens = self.served(engine).count(parsed)
+        except InvalidRequest as exc:
+            raise bad(str(exc), parsed.field(exc.param)) from None
+        return json_response(count_body(tokens))
+
+    async def _start(self, engine: Engine, parsed: Parsed, api: Api) -> RequestStream:
+        """Submit and queue the request: a bad one is a 400, a full queue a 429,
+        both before any byte of a stream."""
+        request_id = request.headers.get("X-Request-Id") or f"req-{uuid.uuid4().hex[:16]}"
+        try:
+            stream = engine.submit(parsed.prompt, request_id=request_id, **parsed.params)
+            stream.on_end = self._on_end(engine, parsed, request_id, api.name)
+            await stream.start()
+        except InvalidRequest as exc:
+            raise bad(str(exc), parsed.field(exc.param)) from None
+        except Overloaded as exc:
+            raise ApiError(
+                429, str(exc), type="rate_limit_error", code="queue_full",
+                retry_after=math.ceil(exc.retry_after),
+            ) from None  # fmt: skip
+        except EngineClosed as exc:  # shutting down, or a sharded engine's ranks lost
+            kind = "service_unavailable"
+            raise ApiError(503, str(exc), type=kind, code="engine_closed") from None
+        return stream
+
+    def _on_end(
+        self, engine: Engine, parsed: Parsed, request_id: str, api: str
+    ) -> Callable[[Event], Event]:
+        """What the server adds to a request's terminal event (in the handler's
+        task, never the engine's): the chat message a cache miss diverged in; and
+        the request's record (recent requests, the request log)."""
+
+        def on_end(event: Event) -> Event:
+            cache = event.usage.cache if event.usage is not None else None
+            prompt = parsed.prompt
+            chat = isinstance(prompt, list) and any(isinstance(m, dict) for m in prompt)
+            if cache is not None and cache.diverged_at is not None and chat:
+                at = cache.diverged_at
+                message = engine.message_at(prompt, at, **parsed.prompt_params)
+                cache = attrs.evolve(cache, message=message)
+                event = attrs.evolve(event, usage=attrs.evolve(event.usage, cache=cache))
+            self.state.requests.record(record_of(event, request_id=request_id, api=api))
+            return event
+
+        return on_end
+
+    async def _result(self, stream: RequestStream) -> Result:
+        try:
+            async with stream:
+                result = await stream.result()
+        except GenerationFailed as exc:
+            if exc.code == "queue_timeout":
+                raise ApiError(503, str(exc), type="service_unavailable", code=exc.code) from None
+            raise ApiError(500, str(exc), type="server_error", code=exc.code) from None
+        if result.finish_reason is FinishReason.CANCELLED:
+            message = "the request was cancelled: the server is shutting down"
+            raise ApiError(503, message, type="service_unavailable")
+        return result
+
+    def _check_model(self, parsed: Parsed) -> None:
+        name, served = parsed.model, self.state.model_id
+        # The short id; also the reference it was started with (a path or hub id).
+        if name is None or name in ALIASES or name in (served, self.settings.model):
+            return
+        raise ApiError(
+            404,
+            f"model {name!r} does not exist; this server serves {served!r}",
+            param="model",
+            type="not_found_error",
+            code="model_not_found",
+        )
+
+    async def models(self) -> Response:
+        card = {
+            "id": self.state.model_id,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "mlx-nursery",
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def stats(self) -> Response:
+        engine = self.state.engine_or_503()
+        body = stats_json(engine.stats())
+        body["recent_requests"] = list(self.state.requests.recent)
+        ranks = engine.ranks()
+        if ranks is not None:
+            body["ranks"] = ranks
+        return json_response(body)
+
+    async def dashboard(self) -> Response:
+        """The live page: self-contained, fed by /dashboard/events."""
+        return Response(dashboard.page(), content_type="text/html; charset=utf-8")
+
+    async def dashboard_events(self) -> Response:
+        return event_stream(dashboard.feed(self.state))
+
+    async def dashboard_snapshot(self) -> Response:
+        return json_response(dashboard.snapshot(self.state))
+
+    async def metrics(self) -> Response:
+        accept = request.headers.get("Accept", "")
+        engine = self.state.engine_or_503()
+        body, content_type = prometheus(engine.stats(), accept, engine.ranks())
+        return Response(body, content_type=content_type)

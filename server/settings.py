@@ -1,0 +1,63 @@
+"""The server's settings: the engine's, whole, plus the HTTP front's own.
+
+Declared once each (``actors.settings.setting``): the CLI's flags are built
+from these declarations and from :class:`EngineSettings`', defaults included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+from mlx_nursery.actors import EngineSettings
+from mlx_nursery.actors.settings import setting
+
+API_KEY_ENV = "MLX_NURSERY_API_KEY"
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+@attrs.frozen
+class Settings:
+    model: Any = setting(
+        help="a model directory, hub id or GGUF file; or a (model, tokenizer) pair", cli=False
+    )
+    engine: EngineSettings = setting(
+        factory=lambda: EngineSettings(dtype="auto"), help="the engine's settings", cli=False
+    )
+    host: str = setting("127.0.0.1", help="address to bind")
+    port: int = setting(8080, help="port to bind; 0 picks one")
+    allowed_origins: tuple[str, ...] = setting(
+        ("*",), parse=_origins, shown="*", help="comma-separated CORS origins, or *"
+    )
+    max_request_bytes: int = setting(16 * 1024 * 1024, cli=False, help="a larger body is a 413")
+    drain_seconds: float = setting(
+        30.0, cli=False, help="in-flight requests get this long at shutdown"
+    )
+    # Access: with a key, every /v1 route needs `Authorization: Bearer KEY` (or
+    # `x-api-key: KEY`); /stats and /metrics too when protect_stats is set.
+    api_key: str | None = setting(
+        None, repr=False, parse=str, shown=f"${API_KEY_ENV} if set, else no key",
+        help="require this key on every /v1 route (Authorization: Bearer, or x-api-key)",
+    )  # fmt: skip
+    protect_stats: bool = setting(False, help="require the API key on /stats and /metrics too")
+    # Connection limits (Hypercorn's, and the body read), so a slow or half-sent
+    # request cannot hold the server.
+    keep_alive_timeout: float = setting(75.0, help="seconds an idle keep-alive connection is kept")
+    max_header_bytes: int = setting(16 * 1024, help="most bytes of request line and headers")
+    body_timeout: float = setting(
+        30.0, help="seconds for a request body to arrive, else 408"
+    )
+    request_log: Path | None = setting(
+        None, parse=Path, shown="none",
+        help="append one JSON line per finished request to FILE: timings and prompt-cache "
+        "figures, no prompt text",
+    )  # fmt: skip
+    # Sharded (under mlx.launch): the mx.distributed group; this process is rank 0.
+    group: Any = setting(None, cli=False, help="the mx.distributed group (rank 0)")
+    # The process is the server's own (the CLI): its startup heap is frozen out of
+    # the GC once the model is loaded (``state.freeze_startup_heap``).
+    own_process: bool = setting(False, cli=False, help="the process is the server's own")
