@@ -26,7 +26,7 @@ from .mailbox import closing
 from .prompt_cache import Trim
 from .request import FinishReason, Lane
 from .row import Cancel, End, Finish, Phase, Row
-from .stats import Count, Gauge, Observe, Stats
+from .stats import Count, Gauge, Metric, Observe, Stats
 
 MAILBOX_SIZE = 4096
 DEFAULT_STEP_SECONDS = 0.05  # for Retry-After before any step has been measured
@@ -64,6 +64,21 @@ class Left:
     """A row left its lane (ended): its slot and KV projection are free."""
 
     row_id: int
+
+
+async def release(
+    row: Row, *, to_emitter: trio.MemorySendChannel, to_admission: trio.MemorySendChannel,
+    announced: bool,
+) -> None:
+    """How every row owner (prefill, decode, serial) lets a row go once it has
+    ended: its work dropped, its terminal event to the emitter unless its last
+    token carried it (``announced``), its slot back to admission."""
+    row.work = None
+    if row.phase is not Phase.ENDED:
+        row.move(Phase.ENDED)
+    if not announced:
+        await to_emitter.send(Ended(row))
+    await to_admission.send(Left(row.id))
 
 
 @attrs.frozen
@@ -157,10 +172,10 @@ class Admission:
     def _report(self, live: int) -> None:
         oldest = trio.current_time() - self._queue[0].times.submitted if self._queue else 0.0
         self.stats.post(
-            Gauge("pending_rows", len(self._queue)),
-            Gauge("active_rows", len(self._lanes)),
-            Gauge("kv_projected_bytes", live),
-            Gauge("queue_oldest_wait", oldest),
+            Gauge(Metric.PENDING_ROWS, len(self._queue)),
+            Gauge(Metric.ACTIVE_ROWS, len(self._lanes)),
+            Gauge(Metric.KV_PROJECTED_BYTES, live),
+            Gauge(Metric.QUEUE_OLDEST_WAIT, oldest),
         )
 
     def _next_expiry(self) -> float:
@@ -178,7 +193,7 @@ class Admission:
                 f"the request waited {waited:.1f} s in the queue, longer than the queue "
                 f"timeout ({self.queue_timeout:g} s); retry later"
             )
-            self.stats.post(Count("queue_timeouts"))
+            self.stats.post(Count(Metric.QUEUE_TIMEOUTS))
             await self._end_queued(row, End(FinishReason.ERROR, detail, code="queue_timeout"))
 
     def refusal(self) -> Refused | None:
@@ -211,17 +226,17 @@ class Admission:
                 with reply:
                     if self._closing:
                         reply.send_nowait(Accepted())
-                        self.stats.post(Count("submitted"))
+                        self.stats.post(Count(Metric.SUBMITTED))
                         await self._end_queued(
                             row, End(FinishReason.CANCELLED, "engine shutting down")
                         )
                     elif (refused := self.refusal()) is not None:
-                        self.stats.post(Count("overloaded"))
+                        self.stats.post(Count(Metric.OVERLOADED))
                         reply.send_nowait(refused)
                         row.events.close()
                     else:
                         reply.send_nowait(Accepted())
-                        self.stats.post(Count("submitted"))
+                        self.stats.post(Count(Metric.SUBMITTED))
                         self._queue.append(row)
             case Cancel(row_id, _) | Finish(row_id, _):
                 await self._route(row_id, message)
@@ -275,6 +290,6 @@ class Admission:
                 self.gpu.take_lane(row.lane)
             self._lanes[row.id] = row.lane
             self._projected[row.id] = row.kv_projected
-            self.stats.post(Observe("queue_wait", now - row.times.submitted))
+            self.stats.post(Observe(Metric.QUEUE_WAIT, now - row.times.submitted))
             target = self.to_serial if row.lane is Lane.SERIAL else self.to_prefill
             await target.send(Submit(row))

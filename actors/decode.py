@@ -21,8 +21,8 @@ from typing import Any
 import attrs
 import trio
 
-from .admission import Left
-from .emitter import Ended, TokenOut, Tokens
+from .admission import release
+from .emitter import TokenOut, Tokens
 from .gpu import Gpu
 from .mailbox import closing
 from .prefill import Join
@@ -30,7 +30,7 @@ from .prompt_cache import Put, worth_keeping
 from .request import FinishReason
 from .row import Cancel, End, Finish, Phase, Row
 from .rows import Batch, Sampled
-from .stats import Count, Gauge, Observe, Stats
+from .stats import Count, Gauge, Metric, Observe, Stats
 
 MAILBOX_SIZE = 4096
 CLEAR_CACHE_EVERY = 256  # steps between mx.clear_cache(), as generate_step does
@@ -200,10 +200,12 @@ class Decode:
         self._relayout(step.layout)
         self._report(step.kv_bytes, step.padding_waste)
         if step.copied or step.refilled:
-            self.stats.post(Count("kv_copied_bytes", step.copied), Count("refilled", step.refilled))
+            self.stats.post(
+                Count(Metric.KV_COPIED_BYTES, step.copied), Count(Metric.REFILLED, step.refilled)
+            )
         await self._emit(step.sampled)
         if step.sampled:  # counted once its tokens are out: scripts wait on this count
-            self.stats.post(Count("steps"), Observe("step_time", step.seconds))
+            self.stats.post(Count(Metric.STEPS), Observe(Metric.STEP_TIME, step.seconds))
 
     async def _drop_joiners(
         self, taking: list[Joining], gone: list[Row], saving: list[Row]
@@ -230,11 +232,10 @@ class Decode:
                 continue  # a first token already delivered, or a row already ending
             if s.error is not None:  # its own work failed: it alone ends
                 row.ask_end(End(FinishReason.ERROR, s.error))
-                self.stats.post(Count("row_faults"))
+                self.stats.post(Count(Metric.ROW_FAULTS))
                 continue
-            reason = row.accept(s.token)  # read = fed: exactly what the row's KV holds
-            shown = None if reason is FinishReason.STOP else s.token  # EOS is never shown
-            out.append(TokenOut(row, shown, s.logprob, s.top_logprobs, ends=reason is not None))
+            # read = fed: exactly what the row's KV holds
+            out.append(TokenOut.accepted(row, s.token, s.logprob, s.top_logprobs))
         # Finished rows leave before their last event goes out: their KV is in the
         # prompt cache and their slot free by the time a client can follow up.
         if await self._leave(pending=tuple(out)) and out:
@@ -261,7 +262,7 @@ class Decode:
         self._relayout(left.layout)
         self._report(left.kv_bytes, left.padding_waste)
         if left.copied:
-            self.stats.post(Count("kv_copied_bytes", left.copied))
+            self.stats.post(Count(Metric.KV_COPIED_BYTES, left.copied))
         announced = {o.row.id for o in pending if o.ends}
         for row in gone:
             await self._free(row, announced=row.id in announced)
@@ -289,20 +290,18 @@ class Decode:
         return False
 
     async def _free(self, row: Row, *, announced: bool) -> None:
-        row.work = None
-        row.move(Phase.ENDED)
-        if not announced:
-            await self.to_emitter.send(Ended(row))
-        await self.to_admission.send(Left(row.id))
+        await release(
+            row, to_emitter=self.to_emitter, to_admission=self.to_admission, announced=announced
+        )
 
     def _keeps(self, row: Row) -> bool:
         return self.to_prompt_cache is not None and worth_keeping(row)
 
     def _report(self, kv_bytes: int, padding_waste: float) -> None:
         self.stats.post(
-            Gauge("batch_kv_bytes", kv_bytes),
-            Gauge("decoding_rows", len(self._live())),
-            Gauge("padding_waste", padding_waste),
+            Gauge(Metric.BATCH_KV_BYTES, kv_bytes),
+            Gauge(Metric.DECODING_ROWS, len(self._live())),
+            Gauge(Metric.PADDING_WASTE, padding_waste),
         )
 
     async def _fault(self, exc: Exception, pending: tuple[TokenOut, ...] = ()) -> None:
@@ -310,7 +309,7 @@ class Decode:
         ending keep their own end), and the batch starts over empty. ``pending``
         (tokens read before the fault) goes out first."""
         message = f"batch step failed: {type(exc).__name__}: {exc}"
-        self.stats.post(Count("batch_faults"))
+        self.stats.post(Count(Metric.BATCH_FAULTS))
         if pending:
             await self.to_emitter.send(Tokens(pending))
         announced = {o.row.id for o in pending if o.ends}

@@ -23,7 +23,7 @@ import trio
 
 from .request import Event, FinishReason, TopLogprob, Usage
 from .row import Cancel, Finish, Row
-from .stats import Count, Observe, Stats
+from .stats import Count, Metric, Observe, Stats
 from .tools import GENERIC, ReasoningScanner, ToolScanner, held_prefix
 
 MAILBOX_SIZE = 4096
@@ -40,6 +40,16 @@ class TokenOut:
     logprob: float | None = None
     top_logprobs: tuple[TopLogprob, ...] | None = None
     ends: bool = False
+
+    @classmethod
+    def accepted(
+        cls, row: Row, token: int, logprob: float | None, top: tuple[TopLogprob, ...] | None
+    ) -> TokenOut:
+        """A sampled token recorded on its row (every row owner alike): EOS and the
+        stop ids end the row as ``stop`` and are never shown; max_tokens ends it too."""
+        reason = row.accept(token)
+        shown = None if reason is FinishReason.STOP else token
+        return cls(row, shown, logprob, top, ends=reason is not None)
 
 
 @attrs.frozen
@@ -87,11 +97,11 @@ def _split_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
 
 
 _LEDGER = {
-    FinishReason.STOP: "finished",
-    FinishReason.LENGTH: "finished",
-    FinishReason.TOOL_CALLS: "finished",
-    FinishReason.ERROR: "errored",
-    FinishReason.CANCELLED: "cancelled",
+    FinishReason.STOP: Metric.FINISHED,
+    FinishReason.LENGTH: Metric.FINISHED,
+    FinishReason.TOOL_CALLS: Metric.FINISHED,
+    FinishReason.ERROR: Metric.ERRORED,
+    FinishReason.CANCELLED: Metric.CANCELLED,
 }
 
 
@@ -115,7 +125,7 @@ class Emitter:
             case Tokens(items):
                 delivered = sum(self._token(item) for item in items)
                 if delivered:
-                    self.stats.post(Count("generated_tokens", delivered))
+                    self.stats.post(Count(Metric.GENERATED_TOKENS, delivered))
             case Ended(row):
                 self._end(row)
             case _:
@@ -168,7 +178,7 @@ class Emitter:
         now = trio.current_time()
         if d.first_token_at is None:
             d.first_token_at = now
-            self.stats.post(Observe("time_to_first_token", now - row.times.submitted))
+            self.stats.post(Observe(Metric.TIME_TO_FIRST_TOKEN, now - row.times.submitted))
         d.detokenizer.add_token(item.token)
         text = d.held + d.detokenizer.last_segment
         shown, d.held, stopped = _split_stop(text, row.params.stop)

@@ -42,7 +42,7 @@ from .request import Result
 from .row import Cancel, Phase, Row, RowView, view
 from .serial import Serial
 from .settings import EngineSettings
-from .stats import Count, Stats, StatsSnapshot
+from .stats import Count, Metric, Mode, Stats, StatsSnapshot
 from .stream import RequestStream
 from .watchdog import Watchdog, stall_reason
 
@@ -81,13 +81,13 @@ class Engine:
             raise EngineClosed(self._gpu.lost)
         refused = self._admission.refusal()
         if refused is not None:
-            self.stats_actor.post(Count("overloaded"))
+            self.stats_actor.post(Count(Metric.OVERLOADED))
             raise _overloaded(refused)
         request_id = params.pop("request_id", None)
         try:
             row, receive = self.intake.row(prompt, params)
         except InvalidRequest:
-            self.stats_actor.post(Count("rejected"))
+            self.stats_actor.post(Count(Metric.REJECTED))
             raise
         row.request_id = None if request_id is None else str(request_id)
         self._live[row.id] = row
@@ -172,7 +172,7 @@ class Engine:
     @property
     def steps(self) -> int:
         """Continuous-lane decode steps run so far (as counted by stats)."""
-        return self.stats_actor.counter("steps")
+        return self.stats_actor.counter(Metric.STEPS)
 
     async def wait_step(self, n: int) -> None:
         """Wait until the continuous lane has run ``n`` decode steps: tests and load
@@ -228,10 +228,10 @@ def _idle(s: StatsSnapshot) -> bool:
     return not (live or s.active_rows or s.pending_rows or s.decoding_rows or s.kv_bytes)
 
 
-def _mode(cap: int, batchable: bool) -> str:
+def _mode(cap: int, batchable: bool) -> Mode:
     if cap <= 1:
-        return "off"
-    return "batch" if batchable else "serial"
+        return Mode.OFF
+    return Mode.BATCH if batchable else Mode.SERIAL
 
 
 @asynccontextmanager

@@ -22,15 +22,15 @@ import attrs
 import trio
 import trio.lowlevel
 
-from .admission import Left, Submit
-from .emitter import Ended, TokenOut, Tokens
+from .admission import Left, Submit, release
+from .emitter import TokenOut, Tokens
 from .gpu import Gpu
 from .mailbox import closing
 from .prompt_cache import EntryKind, Put, shared_prefix, take
 from .request import FinishReason
 from .row import Cancel, End, Finish, Phase, Row
 from .rows import Batch, Prefill, Sampled, prefill_together
-from .stats import Count, Gauge, Stats
+from .stats import Count, Gauge, Metric, Stats
 
 MAILBOX_SIZE = 4096
 
@@ -247,7 +247,7 @@ class PrefillActor:
                 )
                 if row.snapshot_at is not None and 0 < row.snapshot_at < len(row.prompt):
                     row.work.snapshot_at.add(row.snapshot_at)
-                self.stats.post(Count("prompt_tokens", len(row.prompt)))
+                self.stats.post(Count(Metric.PROMPT_TOKENS, len(row.prompt)))
                 self._active.append(row)
             case Cancel(row_id) | Finish(row_id):
                 for row in self._active:
@@ -260,10 +260,9 @@ class PrefillActor:
 
     async def _end(self, row: Row) -> None:
         """The row ends here: its solo KV goes with its job."""
-        row.work = None
-        row.move(Phase.ENDED)
-        await self.to_emitter.send(Ended(row))
-        await self.to_admission.send(Left(row.id))
+        await release(
+            row, to_emitter=self.to_emitter, to_admission=self.to_admission, announced=False
+        )
 
     async def _drop_ending(self) -> None:
         for row in [r for r in self._active if r.end is not None]:
@@ -289,7 +288,7 @@ class PrefillActor:
             results = [_Done(0, error=exc) for _ in plan]
         for (jobs, _), done in zip(plan, results, strict=True):
             rows = [by_job[id(job)] for job in jobs]
-            self.stats.post(Count("prefill_tokens", done.tokens))
+            self.stats.post(Count(Metric.PREFILL_TOKENS, done.tokens))
             for row in rows:
                 await self._put_snapshots(row)
             if done.error is None and done.primed is None:
@@ -297,7 +296,7 @@ class PrefillActor:
             for row in rows:
                 self._active.remove(row)
             if len(rows) > 1:
-                self.stats.post(Count("prefilled_together", len(rows)))
+                self.stats.post(Count(Metric.PREFILLED_TOGETHER, len(rows)))
             if done.error is not None:
                 err = done.error
                 for row in rows:
@@ -320,16 +319,13 @@ class PrefillActor:
             row.times.prefill_ended = now
             if row.end is None and first.error is not None:
                 row.ask_end(End(FinishReason.ERROR, first.error))
-                self.stats.post(Count("row_faults"))
+                self.stats.post(Count(Metric.ROW_FAULTS))
             if row.end is not None:
                 await self._end(row)
                 continue
-            reason = row.accept(first.token)
-            shown = None if reason is FinishReason.STOP else first.token
-            out.append(
-                TokenOut(row, shown, first.logprob, first.top_logprobs, ends=reason is not None)
-            )
-            if reason is None:
+            item = TokenOut.accepted(row, first.token, first.logprob, first.top_logprobs)
+            out.append(item)
+            if not item.ends:
                 row.work = done.primed
                 row.move(Phase.JOINING)
                 joining.append(row)
@@ -356,4 +352,4 @@ class PrefillActor:
 
     def _report(self) -> None:
         nbytes = sum(r.work.nbytes for r in self._active)
-        self.stats.post(Gauge("prefill_kv_bytes", nbytes))
+        self.stats.post(Gauge(Metric.PREFILL_KV_BYTES, nbytes))

@@ -37,7 +37,7 @@ from .gpu import Gpu
 from .ranks import Mirrored, mirrored
 from .request import CacheReason, CacheReport
 from .row import Row
-from .stats import Count, Gauge, Stats
+from .stats import Count, Gauge, Metric, Stats
 
 MAILBOX_SIZE = 4096
 KEY = "model"  # one model per engine: the trie's model key is a constant
@@ -218,8 +218,8 @@ class PromptCacheActor:
             async for message in self.inbox:
                 await self.dispatch(message)
                 self.stats.post(
-                    Gauge("prompt_cache_entries", len(self._store)),
-                    Gauge("prompt_cache_bytes", self._store.nbytes),
+                    Gauge(Metric.PROMPT_CACHE_ENTRIES, len(self._store)),
+                    Gauge(Metric.PROMPT_CACHE_BYTES, self._store.nbytes),
                 )
 
     async def dispatch(self, message: Take | Put | Trim) -> None:
@@ -230,10 +230,11 @@ class PromptCacheActor:
                 except RanksLost:  # the call never ran
                     hit = Hit(None, 0)
                 if hit.caches is None:
-                    self.stats.post(Count("prompt_cache_misses"))
+                    self.stats.post(Count(Metric.PROMPT_CACHE_MISSES))
                 else:
                     self.stats.post(
-                        Count("prompt_cache_hits"), Count("prompt_cache_hit_tokens", hit.cached)
+                        Count(Metric.PROMPT_CACHE_HITS),
+                        Count(Metric.PROMPT_CACHE_HIT_TOKENS, hit.cached),
                     )
                 # The asker may be gone (cancelled): then the clone just drops.
                 with reply, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):

@@ -19,12 +19,15 @@ first reason to end wins; a later finish or cancel for the same row is a no-op).
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
 
 from .request import CacheReport, FinishReason, Lane, SamplingParams
+
+if TYPE_CHECKING:  # types only: rows.py builds on this module
+    from .rows import Batch, Prefill
 
 
 class Phase(enum.Enum):
@@ -114,7 +117,7 @@ class Row:
     tokens: list[int] = attrs.field(factory=list, repr=len)
     # The current phase's GPU-thread state, touched only inside gpu.call: a
     # ``rows.Prefill`` while PREFILLING, the primed one-row ``rows.Batch`` while JOINING.
-    work: Any = attrs.field(default=None, repr=False)
+    work: Prefill | Batch | None = attrs.field(default=None, repr=False)
     end: End | None = None  # set once, by ask_end
 
     def move(self, phase: Phase) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 import attrs
 import trio
 
-from .admission import Left, Submit
-from .emitter import Ended, TokenOut, Tokens
+from .admission import Submit, release
+from .emitter import TokenOut, Tokens
 from .gpu import Gpu
 from .mailbox import closing
 from .prompt_cache import Hit, Put, take, worth_keeping
@@ -23,7 +23,7 @@ from .ranks import Mirrored, mirrored
 from .request import FinishReason
 from .row import Cancel, End, Finish, Phase, Row
 from .rows import build_sampling, read_logprobs
-from .stats import Count, Gauge, Stats
+from .stats import Count, Gauge, Metric, Stats
 
 MAILBOX_SIZE = 4096
 
@@ -122,7 +122,7 @@ class Serial:
         self._current, gen = row, None
         try:
             row.times.prefill_started = trio.current_time()
-            self.stats.post(Count("prompt_tokens", len(row.prompt)))
+            self.stats.post(Count(Metric.PROMPT_TOKENS, len(row.prompt)))
             hit = await take(self.to_prompt_cache, row.prompt)
             row.cached_tokens = hit.cached if hit.caches is not None else 0
             row.cache_report = hit.report
@@ -142,19 +142,17 @@ class Serial:
         while row.end is None:
             token, logprob, top, kv_bytes = await self.gpu.call(gen.next)
             if len(row.tokens) % 16 == 0:  # the serial KV grows slowly: a sample is enough
-                self.stats.post(Gauge("serial_kv_bytes", kv_bytes))
+                self.stats.post(Gauge(Metric.SERIAL_KV_BYTES, kv_bytes))
             if not row.tokens:
                 row.times.prefill_ended = trio.current_time()
-                self.stats.post(Count("prefill_tokens", len(row.prompt) - row.cached_tokens))
+                self.stats.post(Count(Metric.PREFILL_TOKENS, len(row.prompt) - row.cached_tokens))
             self._drain()
             if row.end is not None:  # ended while this token was computed: not shown
                 row.tokens.append(token)  # yielded = fed: what the caches now hold
                 return
-            reason = row.accept(token)
-            shown = None if reason is FinishReason.STOP else token
-            if reason is not None:
+            out = TokenOut.accepted(row, token, logprob, top)
+            if out.ends:
                 row.move(Phase.ENDED)
-            out = TokenOut(row, shown, logprob, top, ends=reason is not None)
             await self.to_emitter.send(Tokens((out,)))
 
     async def _close(self, row: Row, gen: _Generation | None) -> None:
@@ -167,9 +165,10 @@ class Serial:
                 caches = None
             if caches and self.to_prompt_cache is not None and worth_keeping(row):
                 await self.to_prompt_cache.send(Put(row.prompt + row.tokens, caches))
-        self.stats.post(Gauge("serial_kv_bytes", 0))
-        if row.phase is not Phase.ENDED:
+        self.stats.post(Gauge(Metric.SERIAL_KV_BYTES, 0))
+        announced = row.phase is Phase.ENDED  # its last token carried the end
+        if not announced:
             row.ask_end(End(FinishReason.CANCELLED, "the engine stopped the row"))
-            row.move(Phase.ENDED)
-            await self.to_emitter.send(Ended(row))
-        await self.to_admission.send(Left(row.id))
+        await release(
+            row, to_emitter=self.to_emitter, to_admission=self.to_admission, announced=announced
+        )

@@ -9,6 +9,7 @@ and ``/metrics``.
 from __future__ import annotations
 
 import bisect
+import enum
 import math
 from collections.abc import Callable
 
@@ -23,21 +24,115 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+class Kind(enum.Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+
+class Metric(enum.Enum):
+    """Every figure the stats actor keeps: its kind, its name in ``/metrics``
+    (None: kept for the snapshot only) and its help text. Posting a name that is
+    not here fails at import, not inside a running actor."""
+
+    # counters
+    SUBMITTED = (Kind.COUNTER, "requests_submitted", "Requests admitted to the engine.")
+    FINISHED = (Kind.COUNTER, "requests_finished", "Requests that ended with stop or length.")
+    ERRORED = (Kind.COUNTER, "requests_errored", "Requests that ended in an error.")
+    CANCELLED = (Kind.COUNTER, "requests_cancelled", "Requests cancelled (client gone, shutdown).")
+    REJECTED = (Kind.COUNTER, "requests_rejected", "Requests refused at submit as invalid.")
+    STEPS = (Kind.COUNTER, "decode_steps", "Continuous-lane decode steps.")
+    PROMPT_TOKENS = (Kind.COUNTER, "prompt_tokens", "Prompt tokens of admitted requests.")
+    PREFILL_TOKENS = (Kind.COUNTER, "prefill_tokens", "Prompt tokens actually computed.")
+    GENERATED_TOKENS = (Kind.COUNTER, "generated_tokens", "Tokens delivered to clients.")
+    BATCH_FAULTS = (Kind.COUNTER, "batch_faults", "Batch steps that failed (every row errored).")
+    ROW_FAULTS = (
+        Kind.COUNTER, "row_faults", "Rows ended by a fault in their own work (batch went on)."
+    )
+    DROPPED_STATS = (Kind.COUNTER, None, "Stats posts dropped: the stats mailbox was full.")
+    OVERLOADED = (
+        Kind.COUNTER, "requests_overloaded", "Requests refused with 429: the queue was full."
+    )
+    QUEUE_TIMEOUTS = (
+        Kind.COUNTER, "queue_timeouts", "Requests that waited past the queue timeout."
+    )
+    STALLS = (Kind.COUNTER, "gpu_stalls", "GPU calls that ran past the step timeout.")
+    PROMPT_CACHE_HITS = (
+        Kind.COUNTER, "prompt_cache_hits", "Prompt-cache takes that found a prefix."
+    )
+    PROMPT_CACHE_MISSES = (
+        Kind.COUNTER, "prompt_cache_misses", "Prompt-cache takes that found none."
+    )
+    PROMPT_CACHE_HIT_TOKENS = (
+        Kind.COUNTER, "prompt_cache_hit_tokens", "Prompt tokens served cached."
+    )
+    PREFILLED_TOGETHER = (
+        Kind.COUNTER, "prefilled_together", "Rows prefilled in one padded batch."
+    )
+    KV_COPIED_BYTES = (
+        Kind.COUNTER, "kv_copied_bytes", "KV bytes copied by batch joins and leaves."
+    )
+    REFILLED = (Kind.COUNTER, "joins_in_place", "Joiners written over a retired batch slot.")
+    # gauges (each has one writer: admission the rows, decode batch_*, prefill
+    # prefill_*, serial serial_*)
+    ACTIVE_ROWS = (Kind.GAUGE, "active_rows", "Requests admitted and not finished.")
+    PENDING_ROWS = (Kind.GAUGE, "pending_rows", "Requests queued for admission.")
+    DECODING_ROWS = (Kind.GAUGE, "decoding_rows", "Rows in the continuous batch.")
+    BATCH_KV_BYTES = (Kind.GAUGE, None, "KV bytes of the continuous batch.")
+    PREFILL_KV_BYTES = (Kind.GAUGE, None, "KV bytes of the prefills in flight.")
+    SERIAL_KV_BYTES = (Kind.GAUGE, None, "KV bytes of the serial lane's row.")
+    PADDING_WASTE = (
+        Kind.GAUGE, "padding_waste_ratio", "Fraction of the batch KV width that is padding."
+    )
+    PROMPT_CACHE_ENTRIES = (Kind.GAUGE, "prompt_cache_entries", "Prompt-cache entries.")
+    PROMPT_CACHE_BYTES = (Kind.GAUGE, "prompt_cache_bytes", "Prompt-cache bytes.")
+    KV_PROJECTED_BYTES = (
+        Kind.GAUGE, "kv_projected_bytes", "Worst-case KV of the admitted rows."
+    )
+    QUEUE_OLDEST_WAIT = (
+        Kind.GAUGE, "queue_oldest_wait_seconds", "How long the oldest queued request has waited."
+    )
+    # histograms
+    TIME_TO_FIRST_TOKEN = (Kind.HISTOGRAM, "time_to_first_token_seconds", "Submit to first token.")
+    QUEUE_WAIT = (Kind.HISTOGRAM, "queue_wait_seconds", "Submit to admission.")
+    STEP_TIME = (Kind.HISTOGRAM, "decode_step_seconds", "GPU time of one continuous-lane step.")
+
+    def __init__(self, kind: Kind, exposed: str | None, help: str) -> None:
+        self.kind, self.exposed, self.help = kind, exposed, help
+
+    @property
+    def key(self) -> str:
+        """Its field in :class:`StatsSnapshot`."""
+        return self.name.lower()
+
+
+def of_kind(kind: Kind) -> tuple[Metric, ...]:
+    return tuple(m for m in Metric if m.kind is kind)
+
+
+class Mode(enum.StrEnum):
+    """How the engine places rows."""
+
+    OFF = "off"  # --batch 1: every row on the serial lane
+    SERIAL = "serial"  # the model's caches cannot batch: the serial lane
+    BATCH = "batch"  # the continuous batch
+
+
 @attrs.frozen
 class Count:
-    name: str
+    name: Metric
     n: int = 1
 
 
 @attrs.frozen
 class Gauge:
-    name: str
+    name: Metric
     value: float
 
 
 @attrs.frozen
 class Observe:
-    name: str
+    name: Metric
     value: float
 
 
@@ -79,21 +174,9 @@ class Histogram:
         return HistogramSnapshot(self.buckets, tuple(self.counts), self.count, self.sum)
 
 
-COUNTERS = (
-    "submitted", "finished", "errored", "cancelled", "rejected",
-    "steps", "prompt_tokens", "prefill_tokens", "generated_tokens", "batch_faults", "row_faults",
-    "dropped_stats", "overloaded", "queue_timeouts", "stalls",
-    "prompt_cache_hits", "prompt_cache_misses", "prompt_cache_hit_tokens",
-    "prefilled_together", "kv_copied_bytes", "refilled",
-)  # fmt: skip
-# Each gauge has one writer: admission (rows), decode (batch_*), prefill (prefill_*),
-# serial (serial_*).
-GAUGES = (
-    "active_rows", "pending_rows", "decoding_rows",
-    "batch_kv_bytes", "prefill_kv_bytes", "serial_kv_bytes", "padding_waste",
-    "prompt_cache_entries", "prompt_cache_bytes", "kv_projected_bytes", "queue_oldest_wait",
-)  # fmt: skip
-HISTOGRAMS = ("time_to_first_token", "queue_wait", "step_time")
+COUNTERS = of_kind(Kind.COUNTER)
+GAUGES = of_kind(Kind.GAUGE)
+HISTOGRAMS = of_kind(Kind.HISTOGRAM)
 
 
 @attrs.frozen
@@ -101,7 +184,7 @@ class StatsSnapshot:
     """What ``engine.stats()`` returns."""
 
     configured: int  # the --batch cap
-    mode: str  # off (cap 1) | serial (model cannot batch) | batch
+    mode: Mode
     active_rows: int  # admitted and not finished: prefilling, decoding or serial
     pending_rows: int  # queued, not yet admitted
     decoding_rows: int  # rows in the continuous batch
@@ -145,13 +228,13 @@ class StatsSnapshot:
 @attrs.define(eq=False)
 class Stats:
     configured: int
-    mode: str
+    mode: Mode
     kv_budget_bytes: int | None = None
     _send: trio.MemorySendChannel = attrs.field(init=False)
     _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
-    _counters: dict[str, int] = attrs.field(init=False)
-    _gauges: dict[str, float] = attrs.field(init=False)
-    _histograms: dict[str, Histogram] = attrs.field(init=False)
+    _counters: dict[Metric, int] = attrs.field(init=False)
+    _gauges: dict[Metric, float] = attrs.field(init=False)
+    _histograms: dict[Metric, Histogram] = attrs.field(init=False)
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each apply
 
     def __attrs_post_init__(self) -> None:
@@ -165,7 +248,7 @@ class Stats:
         try:
             self._send.send_nowait(messages)
         except trio.WouldBlock:
-            self._counters["dropped_stats"] += 1
+            self._counters[Metric.DROPPED_STATS] += 1
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass  # engine closing; figures no longer served
 
@@ -198,26 +281,23 @@ class Stats:
         while self.backlog or not predicate(self.snapshot()):
             await self._changed.wait()
 
-    def counter(self, name: str) -> int:
+    def counter(self, name: Metric) -> int:
         return self._counters[name]
 
     def snapshot(self) -> StatsSnapshot:
         c, g, h = self._counters, self._gauges, self._histograms
+        kv = g[Metric.BATCH_KV_BYTES] + g[Metric.PREFILL_KV_BYTES] + g[Metric.SERIAL_KV_BYTES]
+        gauges = {m.key: float(g[m]) if m in _FRACTIONAL else int(g[m]) for m in GAUGES
+                  if m.exposed is not None}  # fmt: skip
         return StatsSnapshot(
             configured=self.configured,
             mode=self.mode,
-            active_rows=int(g["active_rows"]),
-            pending_rows=int(g["pending_rows"]),
-            decoding_rows=int(g["decoding_rows"]),
-            kv_bytes=int(g["batch_kv_bytes"] + g["prefill_kv_bytes"] + g["serial_kv_bytes"]),
+            kv_bytes=int(kv),
             kv_budget_bytes=self.kv_budget_bytes,
-            kv_projected_bytes=int(g["kv_projected_bytes"]),
-            padding_waste=float(g["padding_waste"]),
-            queue_oldest_wait=float(g["queue_oldest_wait"]),
-            prompt_cache_entries=int(g["prompt_cache_entries"]),
-            prompt_cache_bytes=int(g["prompt_cache_bytes"]),
-            time_to_first_token=h["time_to_first_token"].snapshot(),
-            queue_wait=h["queue_wait"].snapshot(),
-            step_time=h["step_time"].snapshot(),
-            **{name: c[name] for name in COUNTERS},
+            **gauges,
+            **{m.key: h[m].snapshot() for m in HISTOGRAMS},
+            **{m.key: c[m] for m in COUNTERS},
         )
+
+
+_FRACTIONAL = frozenset({Metric.PADDING_WASTE, Metric.QUEUE_OLDEST_WAIT})  # the rest count

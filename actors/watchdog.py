@@ -16,7 +16,7 @@ import attrs
 import trio
 
 from .gpu import Gpu
-from .stats import Count, Stats
+from .stats import Count, Metric, Stats
 
 log = logging.getLogger("mlx_nursery.engine")
 
@@ -45,7 +45,7 @@ class Watchdog:
             reason = stall_reason(self.gpu, self.step_timeout)
             if reason is not None and not stalled:
                 log.warning("engine unhealthy: %s", reason)
-                self.stats.post(Count("stalls"))
+                self.stats.post(Count(Metric.STALLS))
                 if self.gpu.replica is not None:  # sharded: a collective waits for good
                     self.gpu.lose(f"{reason}: a collective is waiting on a rank that does not "
                                   "answer; the sharded engine is stopped")  # fmt: skip
