@@ -70,11 +70,11 @@ BENCH_MODEL ?= $(HOME)/.cache/mlx-nursery/bench-llama-30m
 bench: install openblas
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	$(BIN)/python goldens/make_bench_model.py --if-missing --out $(BENCH_MODEL)
-	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL) $(if $(PEERS),--peers)
-	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL) --copies
-	$(BIN)/python -m mlx_nursery.server.benchsuite --real $(if $(PEERS),--peers)
-	$(BIN)/python -m mlx_nursery.server.benchsuite --scale-out
-	$(BIN)/python -m mlx_nursery.server.benchsuite --model $(BENCH_MODEL) --overload
+	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) $(if $(PEERS),--peers)
+	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --copies
+	$(BIN)/python bench/benchsuite.py --real $(if $(PEERS),--peers)
+	$(BIN)/python bench/benchsuite.py --scale-out
+	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --overload
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
 # prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.

@@ -4,9 +4,10 @@ The event loop never touches mlx. Actors hand work to this thread with
 ``await gpu.call(fn, *args)``; calls run one at a time in FIFO order, so a decode
 step and a prefill chunk submitted together alternate. A call is never abandoned
 mid-way: a caller cancelled while its call runs waits for it to finish, then sees
-the cancellation at its next checkpoint (STYLE habit 9).
+the cancellation at its next checkpoint: abandoning the thread mid-step would
+leave the caches half-written.
 
-On a sharded engine (``actors/ranks.py``) the thread sends each call's plan
+On a sharded engine (``actors/ranks/``) the thread sends each call's plan
 to the followers before running it, and the ranks can be *lost* (a follower died
 or stalled): then every call waiting or yet to come raises ``RanksLost`` at once,
 even one stuck in a collective that will never end.
@@ -109,7 +110,9 @@ class Gpu:
                 if isinstance(result, outcome.Error) and (
                     "[ring]" in str(result.error) or "[jaccl]" in str(result.error)
                 ):
-                    self.lose(f"a collective failed ({result.error}); the engine is stopped")
+                    who = replica.blame()
+                    why = f"{who}: " if who else ""
+                    self.lose(f"{why}a collective failed ({result.error}); the engine is stopped")
             except Exception as exc:
                 log.exception("walking %r", fn)
                 self.lose(f"the ranks fell out of step after {fn!r}: {exc}")

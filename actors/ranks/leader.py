@@ -69,6 +69,25 @@ class Leader:
         walk(self.plans, args, result, lead=True)
         self.plan_seconds += time.perf_counter() - t0
 
+    def blame(self, seconds: float = 1.0) -> str | None:
+        """Which follower's connection has closed, looked for up to ``seconds``
+        (a collective that failed because a rank died reports only a lost peer;
+        the dead rank's plan connection closes with it)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            for f in self.followers:
+                try:
+                    closed = f.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                except BlockingIOError:
+                    closed = False
+                except OSError:
+                    closed = True
+                if closed:
+                    return f"rank {f.rank} (pid {f.pid} on {f.host}) closed its connection"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
     def close(self) -> None:
         for f in self.followers:
             with contextlib.suppress(OSError):

@@ -34,9 +34,10 @@ from pathlib import Path
 import attrs
 import httpx
 import trio
-
-from .bench import WORDS, LoadSpec, one_request, prompts, run_load, storm
-from .serve import OPENBLAS_ENV, find_openblas
+from mlx_nursery.actors.loading import cast
+from mlx_nursery.server.bench import WORDS, LoadSpec, one_request, prompts, run_load, storm
+from mlx_nursery.server.launch import MLX_LAUNCH
+from mlx_nursery.server.serve import OPENBLAS_ENV, find_openblas
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -801,7 +802,6 @@ def mlx_lm_tp_rank(model: str) -> None:
     from mlx_lm.sample_utils import make_sampler
     from mlx_lm.utils import sharded_load
 
-    from ..actors.loading import cast
 
     group = mx.distributed.init(backend="ring", strict=False)
     if group.size() > 1:
@@ -824,10 +824,9 @@ def mlx_lm_tp(model: str, ranks: int) -> float:
     """mlx-lm's own tensor-parallel generation at B=1 on ``ranks``
     ranks, under the same launcher and BLAS threads as the server: the ceiling
     the sharded engine is measured against (no HTTP, no batching)."""
-    from .launch import MLX_LAUNCH
 
     threads = _rank_threads(ranks)
-    rank = [sys.executable, "-m", "mlx_nursery.server.benchsuite", "--tp-rank", model]
+    rank = [sys.executable, str(Path(__file__).resolve()), "--tp-rank", model]
     command = rank
     if ranks > 1:
         command = [sys.executable, "-c", MLX_LAUNCH, "--backend", "ring", "--hosts",
@@ -1026,7 +1025,7 @@ def main() -> int:
 
     lib = find_openblas()
     if lib and "openblas" not in os.environ.get("LD_PRELOAD", ""):
-        os.execve(sys.executable, [sys.executable, "-m", "mlx_nursery.server.benchsuite",
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()),
                                    *sys.argv[1:]], dict(os.environ, LD_PRELOAD=lib))  # fmt: skip
 
     from mlx_lm import load as mlx_load
