@@ -20,6 +20,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from .access import cors_headers, host_allowed
 from .api.base import Api, ApiError
 from .api.chat import Chat
 from .api.completions import Completions
@@ -84,8 +85,8 @@ class Guard:
             )
 
     def cors(self, response: Response) -> Response:
-        origin = request.headers.get("Origin")
-        response.headers.update(cors_headers(origin, self.settings.allowed_origins))
+        origin, host = request.headers.get("Origin"), request.headers.get("Host")
+        response.headers.update(cors_headers(origin, host, self.settings))
         return response
 
     def http_error(self, err: HTTPException) -> Response:
@@ -97,15 +98,33 @@ class Guard:
         return error_response(ApiError(err.code or 500, err.description or err.name, type=kind))
 
 
-def cors_headers(origin: str | None, allowed: tuple[str, ...]) -> dict[str, str]:
-    """The CORS headers an answer to ``origin`` carries (none for an origin not allowed)."""
-    if not origin or ("*" not in allowed and origin not in allowed):
-        return {}
-    return {
-        "Access-Control-Allow-Origin": "*" if "*" in allowed else origin,
-        "Access-Control-Allow-Headers": "*",
-        "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-    }
+@attrs.frozen
+class HostCheck:
+    """ASGI in front of everything: a request whose ``Host`` is not this server's
+    (``access.host_allowed``: DNS rebinding) is answered 403 in its API's error
+    shape before any route, ``/health`` included."""
+
+    app: Callable[..., Any]
+    settings: Settings
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        host = _header(scope, b"host") if scope["type"] == "http" else None
+        if host is None or host_allowed(host, self.settings):
+            await self.app(scope, receive, send)
+            return
+        message = (f"Host {host!r} is not this server's: it answers loopback names and its "
+                   "bound address; add the name with --allowed-hosts to serve it")  # fmt: skip
+        body, status = api_of(scope["path"]).error(ApiError(403, message, type="forbidden",
+                                                            code="host_not_allowed"))  # fmt: skip
+        data = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(data)).encode())]  # fmt: skip
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    return next((v.decode("latin-1") for k, v in scope["headers"] if k == name), None)
 
 
 @attrs.frozen
@@ -135,8 +154,8 @@ class HealthFirst:
             err = ApiError(405, f"{method} is not allowed on /health; use GET")
             status, data = 405, json.dumps(err.body()).encode()
             headers = {"Content-Type": "application/json", "Allow": allow}
-        origin = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"origin"), None)
-        headers.update(cors_headers(origin, self.state.settings.allowed_origins))
+        origin, host = _header(scope, b"origin"), _header(scope, b"host")
+        headers.update(cors_headers(origin, host, self.state.settings))
         headers["Content-Length"] = str(len(data))
         fields = [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
         await send({"type": "http.response.start", "status": status, "headers": fields})
@@ -159,7 +178,7 @@ def create_app(settings: Settings) -> QuartTrio:
     async def stop_engine() -> None:
         await state.stop()
 
-    app.asgi_app = HealthFirst(app.asgi_app, state)
+    app.asgi_app = HostCheck(HealthFirst(app.asgi_app, state), settings)
     app.before_request(_async(guard.authorize))
     app.after_request(_async(guard.cors))
     app.register_error_handler(ApiError, _async(error_response))

@@ -16,6 +16,7 @@ from mlx_nursery.actors import EngineSettings, InvalidRequest, models, open_engi
 from mlx_nursery.actors.ranks import check_shardable
 
 from . import bench, launch, top
+from .access import exposure_problem
 from .serve import maybe_reexec_with_openblas, serve
 from .settings import API_KEY_ENV, Settings
 
@@ -95,7 +96,7 @@ def add_settings(parser: argparse.ArgumentParser, cls: type, defaults: object) -
         if not meta.get("cli", False):
             continue
         default = getattr(defaults, field.name)
-        declared = meta["shown"] is not None and default in (None, {})
+        declared = meta["shown"] is not None and default in (None, {}, ())
         shown = meta["shown"] if declared else _shown(default)
         names = [meta["flag"] or "--" + field.name.replace("_", "-"), *meta["aliases"]]
         options: dict = {"dest": field.name, "default": argparse.SUPPRESS,
@@ -212,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         except InvalidRequest as exc:
             flag = (exc.param or "").replace("_", "-")
             parser.error(f"--{flag}: {exc}" if flag else str(exc))
+        problem = exposure_problem(settings)
+        if problem is not None:
+            parser.error(f"--host: {problem}")
         try:
             ranks = launch.hostfile_ranks(args.hostfile) if args.hostfile else args.ranks
         except ValueError as exc:

@@ -20,6 +20,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
+from .access import reach
 from .app import ServerState, create_app
 from .settings import Settings
 
@@ -116,7 +117,7 @@ async def serve(
                 app, hypercorn_config(settings), shutdown_trigger=trigger, task_status=task_status
             )
         )
-        log.info("listening on %s", ", ".join(urls))
+        log.info("listening on %s; reachable from %s", ", ".join(urls), reach(settings))
         task_status.started((urls, state))
     return state
 

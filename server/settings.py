@@ -30,9 +30,16 @@ class Settings:
     )
     host: str = setting("127.0.0.1", help="address to bind")
     port: int = setting(8080, help="port to bind; 0 picks one")
+    # Browsers: CORS grants beyond the server's own origin (see access.py).
     allowed_origins: tuple[str, ...] = setting(
-        ("*",), parse=_origins, shown="*", help="comma-separated CORS origins, or *"
-    )
+        (), parse=_origins, shown="the server's own only",
+        help="comma-separated origins whose web pages may use the server (CORS), or * for any",
+    )  # fmt: skip
+    # DNS rebinding: Host names answered beyond the loopback ones and the bound address.
+    allowed_hosts: tuple[str, ...] = setting(
+        (), parse=_origins, shown="loopback names and the bound address",
+        help="comma-separated Host names to answer besides those, or * for any",
+    )  # fmt: skip
     max_request_bytes: int = setting(16 * 1024 * 1024, cli=False, help="a larger body is a 413")
     drain_seconds: float = setting(
         30.0, cli=False, help="in-flight requests get this long at shutdown"
@@ -44,6 +51,9 @@ class Settings:
         help="require this key on every /v1 route (Authorization: Bearer, or x-api-key)",
     )  # fmt: skip
     protect_stats: bool = setting(False, help="require the API key on /stats and /metrics too")
+    no_api_key: bool = setting(
+        False, help="serve a non-loopback --host without an API key, on purpose"
+    )
     # Connection limits (Hypercorn's, and the body read), so a slow or half-sent
     # request cannot hold the server.
     keep_alive_timeout: float = setting(75.0, help="seconds an idle keep-alive connection is kept")

@@ -55,6 +55,7 @@ _ERRORS = {
     401: ("authentication_error", 401),
     404: ("not_found_error", 404),
     408: ("timeout_error", 408),
+    403: ("permission_error", 403),
     413: ("request_too_large", 413),
     429: ("overloaded_error", 529),
     503: ("overloaded_error", 529),
