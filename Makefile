@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint install goldens clean openblas chromium bench soak
+.PHONY: serve test lint install goldens clean openblas chromium clients bench soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ install: $(STAMP)
 # in one process; it runs first, in a pytest run of its own with OpenBLAS preloaded
 # (the bundled BLAS would take many minutes), on the default model fetched once
 # into ~/.cache/mlx-nursery (skipped when it cannot be fetched).
-test: install openblas chromium
+test: install openblas chromium clients
 	$(BIN)/ruff check .
 	$(BIN)/mlx-nursery models --fetch || echo "default model not fetched: the real-weights set will skip"
 	env LD_PRELOAD=$$(ls /usr/lib/*/openblas-pthread/libopenblas.so.0 2>/dev/null | head -1) \
@@ -44,6 +44,20 @@ chromium:
 	   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)) \
 	  >/dev/null || echo "could not install chromium: the dashboard test will fail"; \
 	fi
+
+# The real clients the suite runs (tests/test_real_clients.py), pinned, installed
+# once from npm into ~/.cache/mlx-nursery/clients and kept: a run of `make test`
+# with them in place costs nothing here. The Agents SDK is a pip test dependency.
+CLAUDE_CODE_VERSION := 2.1.197
+CODEX_VERSION := 0.171.0
+CLIENTS ?= $(HOME)/.cache/mlx-nursery/clients
+CLIENTS_STAMP := $(CLIENTS)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
+clients: $(CLIENTS_STAMP)
+$(CLIENTS_STAMP):
+	mkdir -p $(CLIENTS)
+	cd $(CLIENTS) && npm install --no-audit --no-fund --loglevel=error \
+	  @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION)
+	touch $@
 
 # On Debian-like Linux, fetch OpenBLAS first when it is missing and we may install
 # (root with apt-get): `serve` preloads it, mlx's bundled BLAS being 5-20x slower.

@@ -16,7 +16,8 @@ well-formed when it ends by itself.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,51 @@ def schema_of(response_format: Mapping[str, Any]) -> Mapping[str, Any] | None:
     raise InvalidRequest(
         "response_format.type must be text, json_object or json_schema", param="response_format"
     )
+
+
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+
+
+def unimplemented_keys(message: str) -> list[str]:
+    """The schema keywords llguidance names as not implemented in an error."""
+    found = _UNIMPLEMENTED.search(message)
+    return re.findall(r'"([^"]+)"', found.group(1)) if found else []
+
+
+def loosen(schema: Any, keys: Sequence[str]) -> Any:
+    """``schema`` without the keywords ``keys``, at every depth (a property that
+    happens to be named like one is kept: only keywords of a schema object go)."""
+    if isinstance(schema, list):
+        return [loosen(s, keys) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in keys:
+            continue
+        if k in ("properties", "patternProperties", "$defs", "definitions"):
+            out[k] = {name: loosen(s, keys) for name, s in v.items()} if isinstance(
+                v, Mapping) else v  # fmt: skip
+        else:
+            out[k] = loosen(v, keys)
+    return out
+
+
+def loosened_schema(ll_tok: Any, schema: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``schema`` as far as the grammar engine can compile it: keywords it names as
+    unimplemented are left out of the constraint (the real APIs accept them)."""
+    from llguidance import LLMatcher
+
+    for _ in range(8):
+        try:
+            LLMatcher.grammar_from_json_schema(json.dumps(schema))
+            return schema
+        except ValueError as exc:
+            keys = unimplemented_keys(str(exc))
+            if not keys:
+                return schema  # compile_schema says what is wrong
+            schema = loosen(schema, keys)
+    return schema
 
 
 def compile_schema(ll_tok: Any, schema: Mapping[str, Any]) -> str:

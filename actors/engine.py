@@ -69,7 +69,9 @@ class Engine:
     def submit(self, prompt: Prompt, **params: Any) -> RequestStream:
         """Validate and place one request; enter the returned stream to run it.
 
-        ``params`` are :class:`SamplingParams` fields (``stop`` may be a string).
+        ``params`` are :class:`SamplingParams` fields (``stop`` may be a string),
+        plus ``request_id`` (the caller's label) and ``session`` (the agent session
+        it belongs to), both kept on the row for dashboards and logs.
         Raises :class:`InvalidRequest` at once for a request the engine cannot run,
         and :class:`Overloaded` while the queue is full: that is checked first, so
         shedding load costs no rendering or tokenizing (the stream's ``start``
@@ -83,13 +85,14 @@ class Engine:
         if refused is not None:
             self.stats_actor.post(Count(Metric.OVERLOADED))
             raise _overloaded(refused)
-        request_id = params.pop("request_id", None)
+        request_id, session = params.pop("request_id", None), params.pop("session", None)
         try:
             row, receive = self.intake.row(prompt, params)
         except InvalidRequest:
             self.stats_actor.post(Count(Metric.REJECTED))
             raise
         row.request_id = None if request_id is None else str(request_id)
+        row.session = None if session is None else str(session)
         self._live[row.id] = row
         return RequestStream(self, row, row.id, row.params, receive)
 

@@ -20,7 +20,15 @@ class InvalidRequest(EngineError, ValueError):
 
 
 class ContextOverflow(InvalidRequest):
-    """Prompt, or prompt plus max_tokens, beyond the model's context."""
+    """Prompt, or prompt plus max_tokens, beyond the model's context: the numbers
+    are kept so a front end can say it in its API's own words (clients parse them
+    to recover). ``max_tokens`` is None when the prompt alone does not fit."""
+
+    def __init__(
+        self, message: str, *, param: str, prompt_tokens: int, max_tokens: int | None, limit: int
+    ) -> None:
+        super().__init__(message, param=param)
+        self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
 
 
 class EngineClosed(EngineError):

@@ -8,14 +8,22 @@ context and the KV budget. Placement on a lane is decided here too.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import trio
 
 from .budget import project
-from .constrain import GrammarMask, OpenedCallMask, compile_lark, compile_schema, schema_of
+from .constrain import (
+    GrammarMask,
+    OpenedCallMask,
+    compile_lark,
+    compile_schema,
+    loosened_schema,
+    schema_of,
+    unimplemented_keys,
+)
 from .errors import ContextOverflow, InvalidRequest
 from .loading import ModelInfo
 from .request import Lane, SamplingParams
@@ -26,7 +34,9 @@ from .tools import (
     ToolFormat,
     body_grammar,
     call_grammar,
+    calls_or_answer_grammar,
     chosen,
+    loosen_tools,
     native_messages,
     render_messages,
     tool_format,
@@ -97,41 +107,70 @@ class Intake:
 
     def _constrain(self, params: SamplingParams) -> SamplingParams:
         """A response format, or a required tool call, becomes a grammar mask of the
-        row's own (one matcher per request), after the caller's processors."""
+        row's own (one matcher per request), after the caller's processors. With
+        tools under ``auto``, a format shapes the final message only: the answer is
+        calls or that message. A required call is constrained to the calls; the
+        format is for the final message of a later turn."""
         schema = schema_of(params.response_format) if params.response_format else None
         calls = call_grammar(
             params.tools, params.tool_choice, params.parallel_tool_calls, params.tool_format
         )
+        fmt = params.tool_format or GENERIC
+        either = schema is not None and params.tool_choice == "auto" and fmt.json and params.tools
         if schema is None and calls is None:
             return self._constrain_opened_calls(params)
         param = "response_format" if schema is not None else "tool_choice"
-        if schema is not None and calls is not None:
-            raise InvalidRequest(
-                "response_format and a required tool call cannot both shape the answer",
-                param="response_format",
-            )
         if self.ll_tokenizer is None or self.info.vocab_size is None:
             raise InvalidRequest(
                 f"{param} needs constrained decoding, which this model's tokenizer does not "
                 "support",
                 param=param,
             )
-        if schema is not None:
-            grammar = compile_schema(self.ll_tokenizer, schema)
+        if calls is not None:
+            grammar, params = self._compile_tools(
+                params, lambda tools: call_grammar(
+                    tools, params.tool_choice, params.parallel_tool_calls, fmt)
+            )  # fmt: skip
+        elif either:
+            schema = loosened_schema(self.ll_tokenizer, schema)
+            grammar, params = self._compile_tools(
+                params, lambda tools: calls_or_answer_grammar(
+                    tools, params.parallel_tool_calls, fmt, schema)
+            )  # fmt: skip
         else:
-            grammar = compile_lark(self.ll_tokenizer, calls, "tools")
+            grammar = compile_schema(self.ll_tokenizer, loosened_schema(self.ll_tokenizer, schema))
         mask = GrammarMask(self.ll_tokenizer, grammar, self.info.vocab_size)
         return attrs.evolve(params, logits_processors=(*params.logits_processors, mask))
+
+    def _compile_tools(
+        self, params: SamplingParams, lark: Callable[[tuple], str]
+    ) -> tuple[str, SamplingParams]:
+        """The grammar over the tools' schemas. Keywords the grammar engine cannot
+        compile (``propertyNames``, ...) are left out of the constraint, not the
+        request: the constraint is what compiles, and calls are checked against
+        the full schemas when they are parsed (``tool_format.strict``)."""
+        tools = params.tools
+        for _ in range(8):
+            try:
+                return compile_lark(self.ll_tokenizer, lark(tools), "tools"), params
+            except InvalidRequest as exc:
+                keys = unimplemented_keys(str(exc))
+                if not keys:
+                    raise
+                tools = loosen_tools(tools, keys)
+                fmt = attrs.evolve(params.tool_format or GENERIC, strict=params.tools)
+                params = attrs.evolve(params, tool_format=fmt)
+        return compile_lark(self.ll_tokenizer, lark(tools), "tools"), params
 
     def _constrain_opened_calls(self, params: SamplingParams) -> SamplingParams:
         """Under ``auto``, a call the model opens is constrained to the tools' schemas."""
         if params.tool_choice != "auto" or self.ll_tokenizer is None or not self.info.vocab_size:
             return params
         fmt = params.tool_format
-        body = body_grammar(params.tools, fmt)
-        if body is None:
+        if body_grammar(params.tools, fmt) is None:
             return params
-        grammar = compile_lark(self.ll_tokenizer, body, "tools")
+        grammar, params = self._compile_tools(params, lambda tools: body_grammar(tools, fmt))
+        fmt = params.tool_format
         mask = OpenedCallMask(
             self.ll_tokenizer, self.tokenizer, grammar, fmt.open, self.info.vocab_size
         )
@@ -206,6 +245,9 @@ class Intake:
                 )
             )
         except Exception as exc:  # a template error is the request's (or the settings')
+            merged = merge_system(messages)
+            if merged is not None:  # a template that takes system text only first
+                return self.render(merged, generation_prompt=generation_prompt, **extra)
             raise InvalidRequest(
                 f"the chat template could not render these messages: {exc}", param="messages"
             ) from None
@@ -235,15 +277,16 @@ class Intake:
         if len(ids) >= limit:
             raise ContextOverflow(
                 f"prompt is {len(ids):,} tokens; this model's context is {limit:,}",
-                param="prompt",
-            )
+                param="prompt", prompt_tokens=len(ids), max_tokens=None, limit=limit,
+            )  # fmt: skip
         if len(ids) + params.max_tokens > limit:
             raise ContextOverflow(
                 f"prompt ({len(ids):,} tokens) plus max_tokens ({params.max_tokens:,}) is "
                 f"{len(ids) + params.max_tokens:,}; this model's context is {limit:,}: "
                 f"lower max_tokens to at most {limit - len(ids):,}",
-                param="max_tokens",
-            )
+                param="max_tokens", prompt_tokens=len(ids), max_tokens=params.max_tokens,
+                limit=limit,
+            )  # fmt: skip
 
     def _check_budget(self, ids: list[int], params: SamplingParams, kv: int) -> None:
         budget = self.budget
@@ -263,6 +306,18 @@ class Intake:
             f"+ max_tokens {params.max_tokens:,}); the KV budget is {budget:,} bytes: {hint}",
             param="max_tokens",
         )
+
+
+def merge_system(messages: list) -> list | None:
+    """Messages with every system message after the first folded into one leading
+    system message, in order (None: there are none to fold). For templates that
+    refuse a system turn mid-conversation (Anthropic's mid-conversation system)."""
+    later = [i for i, m in enumerate(messages) if m.get("role") == "system" and i > 0]
+    if not later:
+        return None
+    system = [m for m in messages if m.get("role") == "system"]
+    text = "\n\n".join(str(m.get("content") or "") for m in system)
+    return [{"role": "system", "content": text}, *(m for m in messages if m["role"] != "system")]
 
 
 def _tool_rendering(

@@ -109,6 +109,7 @@ class Row:
     kv_projected: int = 0  # worst-case KV bytes (prompt + max_tokens), for the budget
     starts_thinking: bool = False  # the prompt opens a think block the answer continues
     request_id: str | None = None  # the client's label for it (dashboards, logs)
+    session: str | None = None  # the agent session it belongs to (a client's hint)
     phase: Phase = Phase.QUEUED
     cached_tokens: int = 0  # prompt tokens taken from the prompt cache
     cache_report: CacheReport | None = attrs.field(default=None, repr=False)  # and why
@@ -158,6 +159,7 @@ class RowView:
 
     id: int
     request_id: str | None
+    session: str | None
     lane: str
     phase: str
     prompt_tokens: int
@@ -181,6 +183,7 @@ def view(row: Row, now: float) -> RowView:
     return RowView(
         id=row.id,
         request_id=row.request_id,
+        session=row.session,
         lane=str(row.lane),
         phase=row.phase.value,
         prompt_tokens=len(row.prompt),

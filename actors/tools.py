@@ -45,6 +45,9 @@ class ToolFormat:
     parse: Any = attrs.field(default=_json_call, repr=False)
     native: bool = False
     json: bool = True
+    # The request's tools with their full schemas, where the constraint had to
+    # leave keywords out (see ``loosen_tools``): a call is checked against these.
+    strict: tuple = attrs.field(default=(), repr=False)
 
 
 GENERIC = ToolFormat()
@@ -89,6 +92,33 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # JSON text of the arguments object
+
+
+def loosen_tools(tools: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> tuple:
+    """The tools with the schema keywords ``keys`` left out of their parameters."""
+    from .constrain import loosen
+
+    out = []
+    for tool in tools:
+        fn = dict(tool["function"])
+        fn["parameters"] = loosen(fn.get("parameters") or {"type": "object"}, keys)
+        out.append({**tool, "function": fn})
+    return tuple(out)
+
+
+def meets_schema(tools: Sequence[Mapping[str, Any]], name: str, arguments: str) -> bool:
+    """Whether a call's arguments meet its tool's full schema."""
+    import jsonschema
+
+    for tool in tools:
+        if tool["function"]["name"] == name:
+            schema = tool["function"].get("parameters") or {"type": "object"}
+            try:
+                jsonschema.validate(json.loads(arguments), schema)
+            except (jsonschema.ValidationError, jsonschema.SchemaError, ValueError):
+                return False
+            return True
+    return False
 
 
 def _fail(message: str, param: str = "tools") -> None:
@@ -160,6 +190,21 @@ def call_grammar(
     schema = _calls_schema(pool)
     repeat = "+" if parallel else ""
     return f'start: call{repeat}\ncall: "{OPEN}" obj "{CLOSE}"\nobj: %json {json.dumps(schema)}\n'
+
+
+def calls_or_answer_grammar(
+    tools: Sequence[Mapping[str, Any]], parallel: bool, fmt: ToolFormat, schema: Mapping[str, Any]
+) -> str:
+    """``auto`` tools with a response format: the answer is either tool calls or
+    the final message in the format (as OpenAI applies a format to the final
+    message only, never to a call)."""
+    repeat = "+" if parallel else ""
+    return (
+        f"start: calls | answer\ncalls: call{repeat}\n"
+        f"call: {json.dumps(fmt.open)} obj {json.dumps(fmt.close)}\n"
+        f"obj: %json {json.dumps(_calls_schema(tools))}\n"
+        f"answer: %json {json.dumps(schema)}\n"
+    )
 
 
 def body_grammar(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat = GENERIC) -> str | None:
@@ -331,6 +376,8 @@ class ToolScanner:
                 return None
         if args is None:
             return None
+        if self.format.strict and not meets_schema(self.format.strict, obj["name"], args):
+            return None  # the loosened constraint let through what the full schema refuses
         self.calls += 1
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"], args)
 

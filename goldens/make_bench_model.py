@@ -60,7 +60,9 @@ def _corpus(rng: np.random.Generator, n_words: int = 200_000) -> list[str]:
     return [" ".join(words[i : i + 50]) + "." for i in range(0, n_words, 50)]
 
 
-def build_tokenizer(path: Path, rng: np.random.Generator) -> None:
+def build_tokenizer(
+    path: Path, rng: np.random.Generator, max_length: int = CONFIG["max_position_embeddings"]
+) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -81,7 +83,7 @@ def build_tokenizer(path: Path, rng: np.random.Generator) -> None:
                 "bos_token": None,
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
-                "model_max_length": CONFIG["max_position_embeddings"],
+                "model_max_length": max_length,
                 "chat_template": CHAT_TEMPLATE,
             },
             indent=1,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
-from quart import Response, request
+from quart import Response, current_app, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -48,7 +48,12 @@ def api_of(path: str) -> Api:
 
 
 def error_response(err: ApiError) -> Response:
-    body, status = api_of(request.path).error(err)
+    api = api_of(request.path)
+    body, status = api.error(err)
+    if 400 <= err.status < 500:
+        state: ServerState = current_app.extensions["mlx_nursery"]
+        state.requests.refuse(api=api.name, status=status, reason=err.code or err.type,
+                              request_id=request.headers.get("X-Request-Id"))  # fmt: skip
     response = json_response(body, status)
     if err.retry_after is not None:
         response.headers["Retry-After"] = str(err.retry_after)
@@ -105,17 +110,19 @@ class HostCheck:
     shape before any route, ``/health`` included."""
 
     app: Callable[..., Any]
-    settings: Settings
+    state: ServerState
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         host = _header(scope, b"host") if scope["type"] == "http" else None
-        if host is None or host_allowed(host, self.settings):
+        if host is None or host_allowed(host, self.state.settings):
             await self.app(scope, receive, send)
             return
         message = (f"Host {host!r} is not this server's: it answers loopback names and its "
                    "bound address; add the name with --allowed-hosts to serve it")  # fmt: skip
-        body, status = api_of(scope["path"]).error(ApiError(403, message, type="forbidden",
-                                                            code="host_not_allowed"))  # fmt: skip
+        api = api_of(scope["path"])
+        body, status = api.error(ApiError(403, message, type="forbidden", code="host_not_allowed"))
+        self.state.requests.refuse(api=api.name, status=status, reason="host_not_allowed",
+                                   request_id=_header(scope, b"x-request-id"))  # fmt: skip
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(data)).encode())]  # fmt: skip
@@ -178,7 +185,7 @@ def create_app(settings: Settings) -> QuartTrio:
     async def stop_engine() -> None:
         await state.stop()
 
-    app.asgi_app = HostCheck(HealthFirst(app.asgi_app, state), settings)
+    app.asgi_app = HostCheck(HealthFirst(app.asgi_app, state), state)
     app.before_request(_async(guard.authorize))
     app.after_request(_async(guard.cors))
     app.register_error_handler(ApiError, _async(error_response))

@@ -27,8 +27,10 @@ class _Snapshot:
     """A prometheus_client collector over one engine snapshot: it yields the
     metric families; the library writes the exposition format."""
 
-    def __init__(self, s: StatsSnapshot, ranks: list[dict] | None = None) -> None:
-        self.s, self.ranks = s, ranks
+    def __init__(
+        self, s: StatsSnapshot, ranks: list[dict] | None = None, refusals: list[dict] = ()
+    ) -> None:
+        self.s, self.ranks, self.refusals = s, ranks, refusals
 
     def collect(self):
         s = self.s
@@ -54,6 +56,13 @@ class _Snapshot:
             yield HistogramMetricFamily(
                 f"{PREFIX}_{m.exposed}", m.help, buckets=buckets, sum_value=h.sum
             )
+        refused = CounterMetricFamily(
+            f"{PREFIX}_http_refusals", "Requests answered 4xx at the HTTP layer.",
+            labels=["api", "status", "reason"],
+        )  # fmt: skip
+        for r in self.refusals:
+            refused.add_metric([r["api"], str(r["status"]), r["reason"]], r["count"])
+        yield refused
         if self.ranks:
             yield from _rank_families(self.ranks)
 
@@ -76,13 +85,13 @@ def _rank_families(ranks: list[dict]):
 
 
 def prometheus(
-    s: StatsSnapshot, accept: str = "", ranks: list[dict] | None = None
+    s: StatsSnapshot, accept: str = "", ranks: list[dict] | None = None, refusals: list[dict] = ()
 ) -> tuple[bytes, str]:
     """The snapshot (and a sharded engine's per-rank figures) as Prometheus text
     (0.0.4), or OpenMetrics when the scraper's ``Accept`` asks for it; returns
     the body and its content type."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(s, ranks))
+    registry.register(_Snapshot(s, ranks, refusals))
     if "application/openmetrics-text" in accept:
         return openmetrics.generate_latest(registry), openmetrics.CONTENT_TYPE_LATEST
     return generate_latest(registry), CONTENT_TYPE_LATEST

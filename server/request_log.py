@@ -23,12 +23,15 @@ log = logging.getLogger("mlx_nursery.server")
 RECENT = 64  # records kept for /stats and the dashboard
 
 
-def record_of(event: Event, *, request_id: str, api: str) -> dict[str, Any]:
+def record_of(
+    event: Event, *, request_id: str, api: str, session: str | None = None
+) -> dict[str, Any]:
     """One request's record, from its terminal event."""
     usage, cache = event.usage, event.usage.cache if event.usage is not None else None
     out: dict[str, Any] = {
         "request_id": request_id,
         "api": api,
+        "session": session,
         "ended_at": round(time.time(), 3),
         "finish_reason": str(event.finish_reason),
     }
@@ -62,7 +65,20 @@ def cache_body(cache: Any) -> dict[str, Any]:
 class RequestLog:
     path: Path | None = None
     recent: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=RECENT))
+    # Requests answered 4xx at the HTTP layer (never reached the engine, or refused
+    # by it at submit): (api, status, reason) -> count, for /stats and /metrics.
+    refusals: collections.Counter = attrs.field(factory=collections.Counter)
     _failed: bool = False
+
+    def refuse(self, *, api: str, status: int, reason: str, request_id: str | None) -> None:
+        """Count one refused request and list it among the recent ones."""
+        self.refusals[(api, status, reason)] += 1
+        self.record({"request_id": request_id, "api": api, "ended_at": round(time.time(), 3),
+                     "finish_reason": "refused", "status": status, "reason": reason})  # fmt: skip
+
+    def refusal_figures(self) -> list[dict[str, Any]]:
+        return [{"api": api, "status": status, "reason": reason, "count": n}
+                for (api, status, reason), n in sorted(self.refusals.items())]  # fmt: skip
 
     def record(self, entry: dict[str, Any]) -> None:
         self.recent.append(entry)

@@ -8,6 +8,7 @@ stream the API's frames through the one SSE loop (``api.base.sse``).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import uuid
@@ -17,6 +18,7 @@ from typing import Any
 import attrs
 import trio
 from mlx_nursery.actors import (
+    ContextOverflow,
     Engine,
     EngineClosed,
     Event,
@@ -36,6 +38,8 @@ from .metrics import prometheus, stats_json
 from .request_log import record_of
 from .settings import Settings
 from .state import ServerState
+
+log = logging.getLogger("mlx_nursery.server")
 
 # Model names that mean "whatever this server serves" ("default_model" as in mlx_lm.server).
 ALIASES = ("default_model", "default")
@@ -95,14 +99,18 @@ class Routes:
     async def generate(self, api: Api) -> Response:
         """Every API's generation route: the same path, the API's shapes."""
         engine = self.state.engine_or_503()
-        parsed = api.parse(await body_json(self.settings.body_timeout))
+        parsed = api.parse(await body_json(self.settings.body_timeout), request.headers)
         self._check_model(parsed)
         stream = await self._start(engine, parsed, api)
         served = self.served(engine)
         if parsed.stream:
-            return event_stream(sse(stream, api.shaper(parsed, served)))
-        result = await self._result(stream)
-        return json_response(api.body(parsed, result, served))
+            response = event_stream(sse(stream, api.shaper(parsed, served)))
+        else:
+            result = await self._result(stream)
+            response = json_response(api.body(parsed, result, served))
+        if parsed.ignored_tools:
+            response.headers["X-Ignored-Tools"] = ", ".join(parsed.ignored_tools)
+        return response
 
     async def count_tokens(self) -> Response:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt a message would have."""
@@ -110,7 +118,7 @@ class Routes:
         body = await body_json(self.settings.body_timeout)
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}
-        parsed = Messages().parse(body)
+        parsed = Messages().parse(body, request.headers)
         try:
             tokens = self.served(engine).count(parsed)
         except InvalidRequest as exc:
@@ -121,10 +129,17 @@ class Routes:
         """Submit and queue the request: a bad one is a 400, a full queue a 429,
         both before any byte of a stream."""
         request_id = request.headers.get("X-Request-Id") or f"req-{uuid.uuid4().hex[:16]}"
+        if parsed.ignored_tools:
+            log.info("%s: left out tools this server cannot run: %s", request_id,
+                     ", ".join(parsed.ignored_tools))  # fmt: skip
         try:
-            stream = engine.submit(parsed.prompt, request_id=request_id, **parsed.params)
+            stream = engine.submit(
+                parsed.prompt, request_id=request_id, session=parsed.session, **parsed.params
+            )
             stream.on_end = self._on_end(engine, parsed, request_id, api.name)
             await stream.start()
+        except ContextOverflow as exc:
+            raise api.context_error(exc, parsed.field(exc.param)) from None
         except InvalidRequest as exc:
             raise bad(str(exc), parsed.field(exc.param)) from None
         except Overloaded as exc:
@@ -153,7 +168,8 @@ class Routes:
                 message = engine.message_at(prompt, at, **parsed.prompt_params)
                 cache = attrs.evolve(cache, message=message)
                 event = attrs.evolve(event, usage=attrs.evolve(event.usage, cache=cache))
-            self.state.requests.record(record_of(event, request_id=request_id, api=api))
+            record = record_of(event, request_id=request_id, api=api, session=parsed.session)
+            self.state.requests.record(record)
             return event
 
         return on_end
@@ -191,12 +207,17 @@ class Routes:
             "created": int(time.time()),
             "owned_by": "mlx-nursery",
         }
+        engine = self.state.engine
+        if engine is not None and engine.info.context_length is not None:
+            # the served context (--context-length), as vLLM names it and as a number
+            card["max_model_len"] = card["context_length"] = engine.info.context_length
         return json_response({"object": "list", "data": [card]})
 
     async def stats(self) -> Response:
         engine = self.state.engine_or_503()
         body = stats_json(engine.stats())
         body["recent_requests"] = list(self.state.requests.recent)
+        body["refusals"] = self.state.requests.refusal_figures()
         ranks = engine.ranks()
         if ranks is not None:
             body["ranks"] = ranks
@@ -215,5 +236,6 @@ class Routes:
     async def metrics(self) -> Response:
         accept = request.headers.get("Accept", "")
         engine = self.state.engine_or_503()
-        body, content_type = prometheus(engine.stats(), accept, engine.ranks())
+        refusals = self.state.requests.refusal_figures()
+        body, content_type = prometheus(engine.stats(), accept, engine.ranks(), refusals)
         return Response(body, content_type=content_type)

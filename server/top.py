@@ -100,11 +100,18 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None) -> Group:
     for r in reversed(snap.get("recent_requests", [])[-8:]):
         c = r.get("prompt_cache") or {}
         recent.add_row(
-            r["request_id"], r["api"], r["finish_reason"], str(r.get("prompt_tokens", "-")),
+            r.get("request_id") or "-", r["api"], _finish(r), str(r.get("prompt_tokens", "-")),
             str(r.get("cached_tokens", "-")), c.get("reason", "-"),
             _num(c.get("diverged_at")), _num(c.get("diverged_message")),
         )  # fmt: skip
     return Group(head, summary, kv, cache, rows, recent)
+
+
+def _finish(record: dict) -> str:
+    """How a request ended; a refused one with its status and reason."""
+    if record["finish_reason"] == "refused":
+        return f"refused {record.get('status')} {record.get('reason')}"
+    return record["finish_reason"]
 
 
 def main(args: argparse.Namespace) -> int:

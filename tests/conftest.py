@@ -194,15 +194,20 @@ async def wait_healthy(client: httpx.AsyncClient, proc, output) -> None:
 
 
 @asynccontextmanager
-async def server_process(*args: str):
+async def server_process(*args: str, openblas: bool = False):
     """`mlx-nursery serve` in a process of its own on a free loopback port (its
-    event loop then carries no test-side load); yields (url, pid). SIGTERM at the end."""
+    event loop then carries no test-side load); yields (url, pid). SIGTERM at the end.
+    On the suite's bundled BLAS, unless ``openblas`` (for tests that compare no
+    tokens): then as users run it, with OpenBLAS preloaded where installed."""
+    import os
     import subprocess
     import sys
 
     port = free_port()
     argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--port", str(port)]
-    env = {**__import__("os").environ, "MLX_NURSERY_OPENBLAS": "0"}
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if not openblas:
+        env["MLX_NURSERY_OPENBLAS"] = "0"
     proc = subprocess.Popen([*argv, *args], env=env, stderr=subprocess.PIPE)  # noqa: ASYNC220
     url = f"http://127.0.0.1:{port}"
     try:

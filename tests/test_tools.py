@@ -110,7 +110,7 @@ async def test_bad_tools_are_400s_naming_the_field():
         ({"tools": [WEATHER], "tool_choice": {"type": "function",
                                               "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"functions": "f"}, "functions"),  # the deprecated form is read, and checked
     ]  # fmt: skip
     with trio.fail_after(60):
         async with running_server() as (url, _):

@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 import trio
-from mlx_nursery.actors import Event, RequestStream, Result
+from mlx_nursery.actors import ContextOverflow, Event, RequestStream, Result
 
 
 @attrs.frozen
@@ -72,6 +72,14 @@ class Parsed:
     # vLLM's extension: each choice (and each streamed chunk) carries the ids of
     # the tokens it holds, as ``token_ids``.
     token_ids: bool = False
+    # Who sent it, from the client's own hints (see ``session_of``); kept on the row.
+    session: str | None = None
+    # Tools the request named that this server cannot run (hosted ones: web search,
+    # MCP servers...): left out of the prompt, listed in the X-Ignored-Tools header.
+    ignored_tools: tuple[str, ...] = ()
+    # A flattened tool's name as the model sees it -> (namespace, name) as the
+    # client knows it (Responses' namespace tools).
+    tool_names: Mapping[str, tuple[str, str]] = attrs.field(factory=dict)
 
     def field(self, param: str | None) -> str | None:
         return self.fields.get(param, param) if param else param
@@ -120,7 +128,7 @@ class Api:
 
     name: str  # in the request log, /stats and the dashboard
 
-    def parse(self, body: Any) -> Parsed:
+    def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
         raise NotImplementedError
 
     def body(self, parsed: Parsed, result: Result, served: Served) -> dict | bytes:
@@ -131,6 +139,26 @@ class Api:
 
     def error(self, err: ApiError) -> tuple[dict, int]:
         return err.body(), err.status
+
+    def context_error(self, exc: ContextOverflow, param: str | None) -> ApiError:
+        """OpenAI's wording (clients match it to recover)."""
+        return openai_context_error(exc, "messages", param)
+
+
+def openai_context_error(exc: ContextOverflow, where: str, param: str | None) -> ApiError:
+    """OpenAI's ``context_length_exceeded`` for chat (``messages``) or text
+    completions (``prompt``), with the numbers; our own hint (what to lower it
+    to) follows in brackets."""
+    head = f"This model's maximum context length is {exc.limit} tokens. However, "
+    if exc.max_tokens is None:
+        message = (f"{head}your {where} resulted in {exc.prompt_tokens} tokens. "
+                   f"Please reduce the length of the {where}.")  # fmt: skip
+    else:
+        total = exc.prompt_tokens + exc.max_tokens
+        message = (f"{head}you requested {total} tokens ({exc.prompt_tokens} in the {where}, "
+                   f"{exc.max_tokens} in the completion). Please reduce the length of the "
+                   f"{where} or completion.")  # fmt: skip
+    return ApiError(400, f"{message} ({exc})", param, code="context_length_exceeded")
 
 
 PING_SECONDS = 5.0  # a ping while the first token is not there yet (a long prefill)
@@ -201,9 +229,28 @@ def object_body(body: Any) -> Mapping[str, Any]:
 
 
 def refuse_unknown(body: Mapping[str, Any], known: frozenset[str], route: str) -> None:
+    """A field no API documents is refused naming it (a typo must not pass silently);
+    ``known`` is every field the route's API reference documents, honoured or not."""
     for name in body:
         if name not in known:
             raise bad(f"unknown field {name!r}: {route} does not take it", name)
+
+
+# The headers clients name their session by, ours first (see docs/http.md).
+SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id")
+
+
+def session_of(headers: Mapping[str, str] | None, *hints: Any) -> str | None:
+    """The request's session: our header, the clients' own headers, then the
+    body's hints in the order given (the first that is a non-empty string)."""
+    for name in SESSION_HEADERS:
+        value = headers.get(name) if headers is not None else None
+        if value:
+            return str(value)[:200]
+    for hint in hints:
+        if isinstance(hint, str) and hint:
+            return hint[:200]
+    return None
 
 
 def json_schema_format(schema: Any) -> dict:

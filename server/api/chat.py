@@ -7,8 +7,16 @@ from typing import Any
 
 from mlx_nursery.actors import Result
 
-from .base import Api, Parsed, Served, Style, bad, check_bool, model_of
-from .openai import TOOL_FIELDS, ChunkShaper, check_fields, common, full_response, stream_flags
+from .base import Api, Parsed, Served, Style, bad, check_bool, model_of, session_of
+from .openai import (
+    TOOL_FIELDS,
+    ChunkShaper,
+    check_fields,
+    common,
+    full_response,
+    session_hints,
+    stream_flags,
+)
 
 
 def _content(content: Any, i: int) -> str:
@@ -26,7 +34,51 @@ def _content(content: Any, i: int) -> str:
     raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def parse_chat(body: Any) -> Parsed:
+def _functions(body: Mapping[str, Any], params: dict[str, Any], fields: dict) -> None:
+    """The deprecated ``functions`` / ``function_call`` as the tools they stand for
+    (answers still carry ``tool_calls``)."""
+    functions = body.get("functions")
+    if functions is not None and body.get("tools") is None:
+        if not isinstance(functions, list):
+            raise bad("'functions' must be a list of functions", "functions")
+        params["tools"] = [{"type": "function", "function": f} for f in functions]
+        fields["tools"] = "functions"
+    call = body.get("function_call")
+    if call is not None and body.get("tool_choice") is None:
+        if isinstance(call, Mapping):
+            call = {"type": "function", "function": {"name": call.get("name")}}
+        params["tool_choice"] = call
+        fields["tool_choice"] = "function_call"
+
+
+def _tools(body: Mapping[str, Any], params: dict[str, Any]) -> tuple[str, ...]:
+    """Function tools go to the engine; the others (custom tools, the hosted web
+    search) are left out, and their names returned."""
+    ignored = ["web_search"] if body.get("web_search_options") is not None else []
+    tools = params.get("tools")
+    if isinstance(tools, list):
+        kept = []
+        for tool in tools:
+            kind = tool.get("type") if isinstance(tool, Mapping) else None
+            if kind == "custom":
+                ignored.append(str((tool.get("custom") or {}).get("name") or "custom"))
+            else:
+                kept.append(tool)
+        params["tools"] = kept
+        if not kept and params.get("tool_choice") in ("auto", None):
+            params.pop("tools")
+    return tuple(ignored)
+
+
+def thinking_of(effort: Any) -> dict | None:
+    """A reasoning effort as the chat template's switch: ``none`` and ``minimal``
+    turn thinking off, any other effort on (a template without it ignores it)."""
+    if not isinstance(effort, str):
+        return None
+    return {"enable_thinking": effort not in ("none", "minimal")}
+
+
+def parse_chat(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
     body, params, fields = common(body)
     check_fields(body, "chat")
     messages = body.get("messages")
@@ -36,7 +88,8 @@ def parse_chat(body: Any) -> Parsed:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
-        rendered.append({**m, "content": _content(m.get("content"), i)})
+        role = "system" if m["role"] == "developer" else m["role"]
+        rendered.append({**m, "role": role, "content": _content(m.get("content"), i)})
     if check_bool(body, "logprobs"):
         params["logprobs"] = True
         params["top_logprobs"] = body.get("top_logprobs") or 0
@@ -45,16 +98,23 @@ def parse_chat(body: Any) -> Parsed:
     for name in TOOL_FIELDS:
         if body.get(name) is not None:
             params[name] = body[name]
+    _functions(body, params, fields)
+    ignored = _tools(body, params)
+    thinking = thinking_of(body.get("reasoning_effort"))
+    if thinking is not None and "chat_template_kwargs" not in params:
+        params["chat_template_kwargs"] = thinking
     stream, include_usage = stream_flags(body)
     ids = bool(check_bool(body, "return_token_ids"))
-    return Parsed(rendered, params, stream, include_usage, model_of(body), Style.CHAT, fields, ids)
+    session = session_of(headers, *session_hints(body))
+    return Parsed(rendered, params, stream, include_usage, model_of(body), Style.CHAT, fields,
+                  ids, session, ignored)  # fmt: skip
 
 
 class Chat(Api):
     name = "chat.completions"
 
-    def parse(self, body: Any) -> Parsed:
-        return parse_chat(body)
+    def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
+        return parse_chat(body, headers)
 
     def body(self, parsed: Parsed, result: Result, served: Served) -> dict:
         return full_response(parsed, served.model, result, served.tokenizer)

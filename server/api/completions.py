@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from mlx_nursery.actors import Result
+from mlx_nursery.actors import ContextOverflow, Result
 
-from .base import Api, Parsed, Served, Style, bad, check_bool, model_of
-from .openai import ChunkShaper, check_fields, common, full_response, stream_flags
+from .base import (
+    Api,
+    ApiError,
+    Parsed,
+    Served,
+    Style,
+    bad,
+    check_bool,
+    model_of,
+    openai_context_error,
+    session_of,
+)
+from .openai import ChunkShaper, check_fields, common, full_response, session_hints, stream_flags
 
 
-def parse_completion(body: Any) -> Parsed:
+def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
     body, params, fields = common(body)
     check_fields(body, "completion")
     prompt = body.get("prompt")
@@ -27,15 +39,19 @@ def parse_completion(body: Any) -> Parsed:
         fields["top_logprobs"] = "logprobs"
     stream, include_usage = stream_flags(body)
     ids = bool(check_bool(body, "return_token_ids"))
-    style = Style.COMPLETION
-    return Parsed(prompt, params, stream, include_usage, model_of(body), style, fields, ids)
+    style, session = Style.COMPLETION, session_of(headers, *session_hints(body))
+    return Parsed(prompt, params, stream, include_usage, model_of(body), style, fields, ids,
+                  session)  # fmt: skip
 
 
 class Completions(Api):
     name = "completions"
 
-    def parse(self, body: Any) -> Parsed:
-        return parse_completion(body)
+    def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
+        return parse_completion(body, headers)
+
+    def context_error(self, exc: ContextOverflow, param: str | None) -> ApiError:
+        return openai_context_error(exc, "prompt", param)
 
     def body(self, parsed: Parsed, result: Result, served: Served) -> dict:
         return full_response(parsed, served.model, result, served.tokenizer)

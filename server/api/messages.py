@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-from mlx_nursery.actors import Event, FinishReason, Result, Usage
+from mlx_nursery.actors import ContextOverflow, Event, FinishReason, Result, Usage
 
 from .base import (
     Api,
@@ -34,14 +34,25 @@ from .base import (
     new_id,
     object_body,
     refuse_unknown,
+    session_of,
     sse_event,
 )
 
-_FIELDS = frozenset((
+# Honoured (docs/http.md has the table). temperature, top_p and top_k are no
+# longer in the reference, but older clients send them and they mean what they say.
+HONOURED = frozenset((
     "model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
     "stop_sequences", "stream", "tools", "tool_choice", "metadata", "thinking",
-    "output_config", "service_tier",
+    "output_config",
 ))  # fmt: skip
+# Documented (the betas included) with no meaning here: accepted, ignored. MCP
+# servers are remote tools this server cannot run: listed as left out.
+IGNORED = frozenset((
+    "service_tier", "cache_control", "container", "diagnostics", "inference_geo", "speed",
+    "user_profile_id", "workspace_id", "context_management", "betas", "billing_policy",
+    "compaction", "fallback_credit_token", "fallbacks", "mcp_servers", "thread",
+))  # fmt: skip
+_FIELDS = HONOURED | IGNORED
 
 STOP_REASONS = {
     FinishReason.STOP: "end_turn",
@@ -80,10 +91,33 @@ def _text(blocks: Any, where: str) -> str:
     return "".join(out)
 
 
+def _result_text(content: Any, where: str) -> str:
+    """A tool result's content: its text; a block that is not text (an image a
+    tool returned) is named in its place, since this server reads text."""
+    if isinstance(content, str) or content is None:
+        return content or ""
+    if not isinstance(content, list):
+        raise bad(f"{where}.content must be a string or a list of blocks", "messages")
+    out = []
+    for block in content:
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        out.append(str(block.get("text", "")) if kind == "text" else f"[{kind} omitted]")
+    return "".join(out)
+
+
+# Blocks of the server tools' own turns (web search and the like): nothing to render.
+_SERVER_BLOCKS = ("server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                  "code_execution_tool_result", "bash_code_execution_tool_result",
+                  "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
+                  "container_upload", "tool_search_tool_result")  # fmt: skip
+
+
 def _message(i: int, m: Any) -> list[dict]:
     """One Anthropic message as the engine's chat messages."""
-    if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
-        raise bad(f"messages[{i}] needs role 'user' or 'assistant'", "messages")
+    if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant", "system"):
+        raise bad(f"messages[{i}] needs role 'user', 'assistant' or 'system'", "messages")
+    if m["role"] == "system":  # mid-conversation system text: a system turn where it stands
+        return [{"role": "system", "content": _text(m.get("content", ""), f"messages[{i}]")}]
     content = m.get("content")
     if isinstance(content, str):
         return [{"role": m["role"], "content": content}]
@@ -100,11 +134,13 @@ def _message(i: int, m: Any) -> list[dict]:
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block.get("name"), "arguments": args}})  # fmt: skip
         elif kind == "tool_result" and m["role"] == "user":
-            body = _text(block.get("content", ""), where)
+            body = _result_text(block.get("content", ""), where)
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                             "content": body})  # fmt: skip
         elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
             continue  # earlier reasoning is not fed back
+        elif kind in _SERVER_BLOCKS or kind == "search_result":
+            continue
         elif kind in ("image", "document"):
             raise bad(
                 f"{where}: {kind} blocks are not supported: this server reads text", "messages"
@@ -119,34 +155,47 @@ def _message(i: int, m: Any) -> list[dict]:
     return out
 
 
-def _tools(body: Mapping[str, Any], params: dict) -> None:
-    tools = body.get("tools")
+def _tools(body: Mapping[str, Any], params: dict) -> tuple[str, ...]:
+    """Custom tools (a name and an input schema) go to the engine as functions;
+    Anthropic's own tools (server tools such as web search, and the versioned
+    client tools whose schema is Anthropic's) and MCP servers are left out, and
+    their names returned."""
+    tools, ignored = body.get("tools"), []
     if tools is not None:
         if not isinstance(tools, list):
             raise bad("'tools' must be a list", "tools")
         converted = []
         for i, t in enumerate(tools):
             if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):
-                raise bad(f"tools[{i}] needs a 'name' (only custom tools are supported)", "tools")
+                raise bad(f"tools[{i}] needs a 'name'", "tools")
+            if t.get("type") not in (None, "custom") or "input_schema" not in t:
+                ignored.append(t["name"])
+                continue
             converted.append({"type": "function", "function": {
                 "name": t["name"], "description": t.get("description", ""),
                 "parameters": t.get("input_schema") or {"type": "object"}}})  # fmt: skip
-        params["tools"] = converted
+        if converted:
+            params["tools"] = converted
+    for server in body.get("mcp_servers") or ():
+        if isinstance(server, Mapping):
+            ignored.append(f"mcp:{server.get('name', '?')}")
     choice = body.get("tool_choice")
     if choice is None:
-        return
+        return tuple(ignored)
     kind = choice.get("type") if isinstance(choice, Mapping) else None
     mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
     if kind == "tool":
         mapped = {"type": "function", "function": {"name": choice.get("name")}}
     if mapped is None:
         raise bad("tool_choice.type must be auto, any, tool or none", "tool_choice")
-    params["tool_choice"] = mapped
+    if mapped != "none" or "tools" in params:
+        params["tool_choice"] = mapped
     if choice.get("disable_parallel_tool_use"):
         params["parallel_tool_calls"] = False
+    return tuple(ignored)
 
 
-def parse_messages(body: Any) -> Parsed:
+def parse_messages(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
     body = object_body(body)
     refuse_unknown(body, _FIELDS, "/v1/messages")
     if body.get("max_tokens") is None:
@@ -162,18 +211,29 @@ def parse_messages(body: Any) -> Parsed:
                          ("stop", "stop_sequences")):  # fmt: skip
         if body.get(theirs) is not None:
             params[ours] = body[theirs]
-    _tools(body, params)
-    fmt = (body.get("output_config") or {}).get("format")
+    ignored = _tools(body, params)
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, Mapping):
+        raise bad("output_config must be an object", "output_config")
+    fmt = (config or {}).get("format")
     if fmt is not None:
         if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
             raise bad("output_config.format must be {type: json_schema, schema}", "output_config")
         params["response_format"] = json_schema_format(fmt.get("schema"))
     thinking = body.get("thinking")
-    if isinstance(thinking, Mapping) and thinking.get("type") in ("enabled", "disabled"):
-        params["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
+    kind = thinking.get("type") if isinstance(thinking, Mapping) else None
+    if thinking is not None and kind not in ("enabled", "disabled", "adaptive"):
+        raise bad("thinking.type must be enabled, disabled or adaptive", "thinking")
+    if kind in ("enabled", "disabled"):  # adaptive: the model decides (the template's default)
+        params["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
     stream, model = bool(check_bool(body, "stream")), model_of(body)
+    if model is not None and model.startswith("claude-"):
+        model = None  # Claude Code asks for Claude models by name: this server's one answers
     fields = {"stop": "stop_sequences", "response_format": "output_config"}
-    return Parsed(chat, params, stream, False, model, Style.CHAT, fields)
+    metadata = body.get("metadata")
+    user = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+    return Parsed(chat, params, stream, False, model, Style.CHAT, fields,
+                  session=session_of(headers, user), ignored_tools=ignored)  # fmt: skip
 
 
 def _message_id() -> str:
@@ -299,8 +359,19 @@ def count_body(tokens: int) -> dict:
 class Messages(Api):
     name = "messages"
 
-    def parse(self, body: Any) -> Parsed:
-        return parse_messages(body)
+    def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
+        return parse_messages(body, headers)
+
+    def context_error(self, exc: ContextOverflow, param: str | None) -> ApiError:
+        """Anthropic's own words, which Claude Code parses to retry with a smaller
+        ``max_tokens``."""
+        if exc.max_tokens is None:
+            message = f"prompt is too long: {exc.prompt_tokens} tokens > {exc.limit} maximum"
+        else:
+            message = (f"input length and `max_tokens` exceed context limit: "
+                       f"{exc.prompt_tokens} + {exc.max_tokens} > {exc.limit}, decrease input "
+                       "length or `max_tokens` and try again")  # fmt: skip
+        return ApiError(400, message, param)
 
     def body(self, parsed: Parsed, result: Result, served: Served) -> dict:
         return message_body(result, served.model)

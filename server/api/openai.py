@@ -22,6 +22,7 @@ from .base import (
     check_bool,
     new_id,
     object_body,
+    refuse_unknown,
     sse_frame,
 )
 
@@ -33,30 +34,38 @@ _SAMPLING = (
 )  # fmt: skip
 
 
-# Fields that only label a request: accepted and ignored.
-_LABELS = ("user", "metadata", "store", "service_tier")
+# Every field OpenAI's API reference documents for the route is accepted; those
+# listed here have no meaning on this server and are ignored (docs/http.md has
+# the table). A field no API documents is a 400 naming it.
+IGNORED = frozenset((
+    "metadata", "store", "service_tier", "prompt_cache_options", "prompt_cache_retention",
+    "verbosity", "moderation", "prediction", "modalities", "audio",
+))  # fmt: skip
+# Honoured: the sampling fields above, and these.
 _COMMON = (
-    *_SAMPLING, *_LABELS, "model", "max_completion_tokens", "n", "stream", "stream_options",
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-    "chat_template_kwargs", "return_token_ids",
+    *_SAMPLING, "model", "max_completion_tokens", "n", "stream", "stream_options",
+    "return_token_ids", "user", "safety_identifier", "prompt_cache_key",
 )  # fmt: skip
+_CHAT = (
+    "messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "functions", "function_call", "chat_template_kwargs", "reasoning_effort",
+    "web_search_options",
+)  # fmt: skip
+_COMPLETION = ("prompt", "logprobs", "echo", "suffix", "best_of")
 _FIELDS = {
-    "chat": frozenset((*_COMMON, "messages", "logprobs", "top_logprobs")),
-    "completion": frozenset((*_COMMON, "prompt", "logprobs", "echo", "suffix", "best_of")),
+    "chat": frozenset((*_COMMON, *IGNORED, *_CHAT)),
+    "completion": frozenset((*_COMMON, "metadata", "store", "service_tier", *_COMPLETION)),
 }
 # Chat only; checked by the engine.
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
 
 
 def check_fields(body: Mapping[str, Any], route: str) -> None:
-    """A field that changes what the answer means is honoured or refused naming it,
-    never silently dropped; an unknown field is refused the same way."""
-    for name in body:
-        if name not in _FIELDS[route]:
-            raise bad(f"unknown field {name!r}: this route does not take it", name)
-    for name in ("functions", "function_call"):
-        if body.get(name) is not None:
-            raise bad(f"'{name}' is the deprecated form: send 'tools' / 'tool_choice'", name)
+    """Every documented field is accepted; one no API documents is refused naming
+    it; a value this server cannot honour and must not silently drop (echo, an
+    audio answer) is refused saying why."""
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    refuse_unknown(body, _FIELDS[route], path)
     if route == "completion":
         for name in TOOL_FIELDS:
             if body.get(name) is not None:
@@ -67,6 +76,14 @@ def check_fields(body: Mapping[str, Any], route: str) -> None:
         raise bad("'suffix' (insertion) is not supported", "suffix")
     if body.get("best_of") not in (None, 1):
         raise bad("'best_of' must be 1: this server returns one candidate", "best_of")
+    modalities = body.get("modalities")
+    if body.get("audio") is not None or (isinstance(modalities, list) and "audio" in modalities):
+        raise bad("audio output is not supported: this server answers in text", "modalities")
+
+
+def session_hints(body: Mapping[str, Any]) -> tuple:
+    """The body's session hints, in the documented order (after the headers)."""
+    return (body.get("prompt_cache_key"), body.get("user"), body.get("safety_identifier"))
 
 
 def common(body: Any) -> tuple[Mapping[str, Any], dict[str, Any], dict]:

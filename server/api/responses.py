@@ -1,12 +1,15 @@
 """OpenAI Responses (``POST /v1/responses``): translation only, no I/O.
 
 Request in: ``input`` (a string, or items: messages, ``function_call``,
-``function_call_output``), ``instructions``, function ``tools`` (other tool types
-are refused by name), ``tool_choice``, ``max_output_tokens``, ``temperature``,
-``top_p``, ``text.format`` (a JSON schema through the constrained decoding) and
-``reasoning``; out: the engine's chat messages and parameters, the same path as
-the chat route. Stateless: ``previous_response_id`` and ``store: true`` are refused.
-Results and events in: the Response object and its stream events out.
+``function_call_output``), ``instructions``, function ``tools`` and ``namespace``
+groups of them (flattened to ``namespace.name``, calls mapped back), hosted tools
+left out (listed in ``X-Ignored-Tools``), ``tool_choice``, ``max_output_tokens``,
+``temperature``, ``top_p``, ``text.format`` (a JSON schema through the
+constrained decoding) and ``reasoning``; out: the engine's chat messages and
+parameters, the same path as the chat route. Stateless: nothing is stored, so
+``previous_response_id``, ``conversation`` and ``background`` are refused.
+Results and events in: the Response object and its stream events out (a cut
+answer ends in ``response.incomplete``, a failure in ``response.failed``).
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-from mlx_nursery.actors import Event, FinishReason, Result, Usage
+from mlx_nursery.actors import ContextOverflow, Event, FinishReason, Result, Usage
 
 from .base import (
     Api,
+    ApiError,
     Parsed,
     Served,
     Shaper,
@@ -32,14 +36,29 @@ from .base import (
     new_id,
     object_body,
     refuse_unknown,
+    session_of,
     sse_event,
 )
+from .chat import thinking_of
 
-_FIELDS = frozenset((
+HONOURED = frozenset((
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
-    "max_output_tokens", "temperature", "top_p", "text", "reasoning", "stream", "metadata",
-    "user", "store", "previous_response_id", "service_tier", "truncation",
+    "max_output_tokens", "temperature", "top_p", "text", "reasoning", "stream",
+    "prompt_cache_key", "user", "safety_identifier",
 ))  # fmt: skip
+# Documented with no meaning here: accepted and ignored (docs/http.md). ``include``
+# asks for extras (encrypted reasoning, logprobs...): none apply, none are sent.
+IGNORED = frozenset((
+    "metadata", "store", "service_tier", "truncation", "include", "max_tool_calls",
+    "top_logprobs", "prompt_cache_options", "prompt_cache_retention", "stream_options",
+    "context_management", "moderation", "client_metadata", "image", "access_programs",
+    "background_options",
+))  # fmt: skip
+# Documented, but they ask for state this server does not keep: refused saying so.
+STATEFUL = ("previous_response_id", "conversation", "prompt", "background")
+_FIELDS = HONOURED | IGNORED | frozenset(STATEFUL)
+# Tools the server runs for the model upstream; here they are left out.
+_FUNCTION_KINDS = ("function", "namespace")
 
 
 def _new(prefix: str) -> str:
@@ -60,7 +79,7 @@ def _content(content: Any, where: str) -> str:
     return "".join(out)
 
 
-def _items(items: Any) -> list[dict]:
+def _items(items: Any, aliases: Mapping[tuple[str, str], str]) -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -76,7 +95,9 @@ def _items(items: Any) -> list[dict]:
                 raise bad(f"input[{i}].role must be user, assistant, system or developer", "input")
             out.append({"role": role, "content": _content(item.get("content"), f"input[{i}]")})
         elif kind == "function_call":
-            fn = {"name": item.get("name"), "arguments": item.get("arguments")}
+            name = item.get("name")
+            name = aliases.get((item.get("namespace"), name), name)
+            fn = {"name": name, "arguments": item.get("arguments")}
             call = {"id": item.get("call_id"), "type": "function", "function": fn}
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
                 out[-1]["tool_calls"].append(call)
@@ -86,33 +107,65 @@ def _items(items: Any) -> list[dict]:
             output = item.get("output")
             text = output if isinstance(output, str) else json.dumps(output)
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
-        elif kind == "reasoning":
-            continue  # earlier reasoning is not fed back
+        elif kind == "reasoning" or kind in _HOSTED_ITEMS:
+            continue  # earlier reasoning, and hosted tools' own turns, are not fed back
+        elif kind == "item_reference":
+            raise bad(f"input[{i}]: item_reference needs stored items; this server keeps "
+                      "none: send the item itself", "input")  # fmt: skip
         else:
             raise bad(f"input[{i}]: item type {kind!r} is not supported", "input")
     return out
 
 
-def _tools(body: Mapping[str, Any], params: dict) -> None:
-    tools = body.get("tools")
+_HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call", "image_generation_call",
+                 "code_interpreter_call", "mcp_call", "mcp_list_tools", "mcp_approval_request",
+                 "mcp_approval_response", "tool_search_call", "compaction")  # fmt: skip
+
+
+def _function(t: Mapping[str, Any], name: str) -> dict:
+    return {"type": "function", "function": {
+        "name": name, "description": t.get("description", ""),
+        "parameters": t.get("parameters") or {"type": "object"}}}  # fmt: skip
+
+
+def _tools(body: Mapping[str, Any], params: dict) -> tuple[tuple[str, ...], dict]:
+    """Function tools to the engine; a ``namespace`` (Codex's group of function
+    tools) flattened into its functions, named ``namespace.name`` for the model;
+    hosted and custom tools left out. Returns the names left out, and the
+    flattened names: (namespace, name) -> the name the model sees."""
+    tools, ignored, aliases = body.get("tools"), [], {}
     if tools:
         out = []
         for i, t in enumerate(tools if isinstance(tools, list) else [None]):
             kind = t.get("type") if isinstance(t, Mapping) else None
-            if kind != "function":
-                raise bad(f"tools[{i}]: tool type {kind!r} is not supported (function only)",
-                          "tools")  # fmt: skip
-            out.append({"type": "function", "function": {
-                "name": t.get("name"), "description": t.get("description", ""),
-                "parameters": t.get("parameters") or {"type": "object"}}})  # fmt: skip
-        params["tools"] = out
+            if kind is None:
+                raise bad(f"tools[{i}] must be a tool object with a 'type'", "tools")
+            if kind == "function":
+                out.append(_function(t, t.get("name")))
+            elif kind == "namespace":
+                ns = t.get("name")
+                for inner in t.get("tools") or ():
+                    if isinstance(inner, Mapping) and inner.get("type") == "function":
+                        aliases[(ns, inner.get("name"))] = f"{ns}.{inner.get('name')}"
+                        out.append(_function(inner, aliases[(ns, inner.get("name"))]))
+                    elif isinstance(inner, Mapping):
+                        ignored.append(f"{ns}.{inner.get('name', inner.get('type'))}")
+            else:
+                ignored.append(str(t.get("name") or kind))
+        if out:
+            params["tools"] = out
     choice = body.get("tool_choice")
-    if isinstance(choice, Mapping) and choice.get("type") == "function":
-        params["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-    elif choice is not None:
+    kind = choice.get("type") if isinstance(choice, Mapping) else None
+    if kind == "function":
+        name = aliases.get((choice.get("namespace"), choice.get("name")), choice.get("name"))
+        params["tool_choice"] = {"type": "function", "function": {"name": name}}
+    elif kind is not None:  # a hosted tool, or an allowed-tools list: the model chooses
+        params["tool_choice"] = "auto" if "tools" in params else "none"
+    elif choice is not None and (choice == "none" or "tools" in params):
         params["tool_choice"] = choice
     if body.get("parallel_tool_calls") is not None:
         params["parallel_tool_calls"] = body["parallel_tool_calls"]
+    return tuple(ignored), aliases
 
 
 def _format(body: Mapping[str, Any], params: dict) -> None:
@@ -129,32 +182,38 @@ def _format(body: Mapping[str, Any], params: dict) -> None:
         raise bad("text.format.type must be text, json_object or json_schema", "text")
 
 
-def parse_responses(body: Any) -> Parsed:
+def parse_responses(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
     body = object_body(body)
     refuse_unknown(body, _FIELDS, "/v1/responses")
-    if body.get("previous_response_id") is not None:
-        raise bad("previous_response_id is not supported: this server keeps no responses; "
-                  "send the whole conversation in 'input'", "previous_response_id")  # fmt: skip
-    if body.get("store"):
-        raise bad("store must be false: this server keeps no responses", "store")
-    chat = _items(body.get("input"))
+    for name in STATEFUL:
+        if body.get(name) not in (None, False):
+            raise bad(f"{name} is not supported: this server keeps no responses or "
+                      "conversations; send the whole conversation in 'input'", name)  # fmt: skip
+    params: dict[str, Any] = {}
+    ignored, aliases = _tools(body, params)
+    chat = _items(body.get("input"), aliases)
     if body.get("instructions") is not None:
         chat.insert(
             0, {"role": "system", "content": _content(body["instructions"], "instructions")}
         )
-    params: dict[str, Any] = {}
     for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p")):  # fmt: skip
         if body.get(theirs) is not None:
             params[ours] = body[theirs]
-    _tools(body, params)
     _format(body, params)
-    effort = (body.get("reasoning") or {}).get("effort")
-    if effort is not None:
-        params["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, Mapping):
+        raise bad("reasoning must be an object", "reasoning")
+    thinking = thinking_of((reasoning or {}).get("effort"))
+    if thinking is not None:
+        params["chat_template_kwargs"] = thinking
     stream, model = bool(check_bool(body, "stream")), model_of(body)
     fields = {"max_tokens": "max_output_tokens", "response_format": "text"}
-    return Parsed(chat, params, stream, False, model, Style.CHAT, fields)
+    hints = (body.get("prompt_cache_key"), body.get("user"), body.get("safety_identifier"))
+    names = {flat: key for key, flat in aliases.items()}
+    return Parsed(chat, params, stream, False, model, Style.CHAT, fields,
+                  session=session_of(headers, *hints), ignored_tools=ignored,
+                  tool_names=names)  # fmt: skip
 
 
 def usage_body(usage: Usage | None) -> dict | None:
@@ -175,9 +234,16 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict:
             "content": content}  # fmt: skip
 
 
-def _call(item_id: str, call: Any, arguments: str, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+def _call(
+    item_id: str, call: Any, arguments: str, names: Mapping, status: str = "completed"
+) -> dict:
+    """A function call item; a namespaced function's call names its namespace."""
+    namespace, name = names.get(call.name, (None, call.name))
+    item = {"type": "function_call", "id": item_id, "call_id": call.id, "name": name,
             "arguments": arguments, "status": status}  # fmt: skip
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 def response_body(
@@ -209,12 +275,12 @@ def _choice_body(choice: Any) -> Any:
     return choice or "auto"
 
 
-def full_output(result: Result) -> list[dict]:
+def full_output(result: Result, names: Mapping) -> list[dict]:
     out = []
     if result.text:
         out.append(_message(_new("msg"), result.text))
     for call in result.tool_calls:
-        out.append(_call(_new("fc"), call, call.arguments))
+        out.append(_call(_new("fc"), call, call.arguments, names))
     return out
 
 
@@ -273,41 +339,55 @@ class StreamShaper(Shaper):
             out += self._event("response.output_text.delta", item_id=self.text_item["id"],
                                output_index=index, content_index=0, delta=event.text,
                                logprobs=[])  # fmt: skip
+        names = self.parsed.tool_names
         for call in event.tool_calls:
             out += self._close_text()
             index, item_id = len(self.output), _new("fc")
-            out += self._event("response.output_item.added", output_index=index,
-                               item=_call(item_id, call, "", status="in_progress"))  # fmt: skip
+            opened = _call(item_id, call, "", names, status="in_progress")
+            out += self._event("response.output_item.added", output_index=index, item=opened)
             out += self._event("response.function_call_arguments.delta", item_id=item_id,
                                output_index=index, delta=call.arguments)  # fmt: skip
             out += self._event(
                 "response.function_call_arguments.done", item_id=item_id, output_index=index,
-                arguments=call.arguments, name=call.name,
+                arguments=call.arguments, name=names.get(call.name, (None, call.name))[1],
             )  # fmt: skip
-            done = _call(item_id, call, call.arguments)
+            done = _call(item_id, call, call.arguments, names)
             self.output.append(done)
             out += self._event("response.output_item.done", output_index=index, item=done)
         if event.terminal:
             out += self._close_text()
-            # Always response.completed (the SDK's stream helper waits for it); a cut
-            # answer says so in the response: status incomplete, incomplete_details.
+            # As OpenAI's: a cut answer ends in response.incomplete (status
+            # incomplete, incomplete_details), any other in response.completed.
             final = response_body(self.id, self.model, self.parsed, self.output, event)
-            out += self._event("response.completed", response=final)
+            cut = final["status"] == "incomplete"
+            out += self._event(f"response.{'incomplete' if cut else 'completed'}", response=final)
         return out
 
     def failed(self, event: Event) -> bytes:
+        """As OpenAI's: an ``error`` event, then ``response.failed`` with the error."""
         message = event.error or "the request was cancelled"
-        return self._event("error", code="server_error", message=message, param=None)
+        code = "server_error" if event.finish_reason is FinishReason.ERROR else "cancelled"
+        out = self._close_text()
+        final = response_body(self.id, self.model, self.parsed, self.output, event)
+        final.update(status="failed", error={"code": code, "message": message})
+        out += self._event("error", code=code, message=message, param=None)
+        return out + self._event("response.failed", response=final)
 
 
 class Responses(Api):
     name = "responses"
 
-    def parse(self, body: Any) -> Parsed:
-        return parse_responses(body)
+    def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
+        return parse_responses(body, headers)
+
+    def context_error(self, exc: ContextOverflow, param: str | None) -> ApiError:
+        """OpenAI's Responses wording, with the numbers after it."""
+        message = ("Your input exceeds the context window of this model. Please adjust your "
+                   f"input and try again. ({exc})")  # fmt: skip
+        return ApiError(400, message, param, code="context_length_exceeded")
 
     def body(self, parsed: Parsed, result: Result, served: Served) -> dict:
-        output = full_output(result)
+        output = full_output(result, parsed.tool_names)
         return response_body(_new("resp"), served.model, parsed, output, result)
 
     def shaper(self, parsed: Parsed, served: Served) -> StreamShaper:

@@ -1,0 +1,222 @@
+"""The real clients, unchanged and at their defaults, against the server: Claude
+Code (`claude -p`), the Codex CLI (`codex exec`) and the OpenAI Agents SDK (a
+tool loop on both its Responses and its chat-completions model). Each talks to
+a real server through a recording proxy on loopback; every request it sends
+must get a 2xx and every run must finish. Their telemetry is off, their HOME is
+fresh, their only base URL is the proxy's: nothing they do leaves this machine.
+
+The clients are pinned and installed once by `make clients` (part of `make
+test`) into ~/.cache/mlx-nursery/clients (or $MLX_NURSERY_CLIENTS). The model is
+a tiny noise model with a long context (goldens/make_client_model.py): the
+protocol is under test, not the answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+from conftest import GOLDENS, server_process
+from recording import Exchange, Recording
+
+pytestmark = pytest.mark.slow
+
+CLIENTS = Path(
+    os.environ.get("MLX_NURSERY_CLIENTS") or Path.home() / ".cache" / "mlx-nursery" / "clients"
+)
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "clients"
+RUN_TIMEOUT = 400
+
+
+def client_bin(name: str) -> str:
+    path = CLIENTS / "node_modules" / ".bin" / name
+    if not path.exists():
+        pytest.fail(f"{name} is not installed in {CLIENTS}: `make clients` installs the pinned "
+                    "real clients (npm)")  # fmt: skip
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def client_model() -> str:
+    sys.path.insert(0, str(GOLDENS))
+    from make_client_model import ensure
+
+    return str(ensure())
+
+
+def quiet_env(home: Path, **extra: str) -> dict[str, str]:
+    """A fresh HOME, no telemetry, and nothing from this process's environment
+    but the PATH (node)."""
+    home.mkdir(parents=True, exist_ok=True)
+    path = os.pathsep.join([str(Path(shutil.which("node") or "/usr/bin/node").parent),
+                            "/usr/bin", "/bin"])  # fmt: skip
+    return {"PATH": path, "HOME": str(home), "TERM": "dumb", "NO_COLOR": "1",
+            "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1", **extra}  # fmt: skip
+
+
+async def run_client(argv: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    await trio.Path(cwd).mkdir(parents=True, exist_ok=True)
+    with trio.fail_after(RUN_TIMEOUT):
+        return await trio.run_process(argv, env=env, cwd=cwd, capture_stdout=True,
+                                      capture_stderr=True, check=False,
+                                      stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def assert_all_2xx(exchanges: list[Exchange], done: subprocess.CompletedProcess) -> None:
+    said = (done.stdout + done.stderr).decode(errors="replace")[-3000:]
+    assert exchanges, f"the client sent nothing: {said}"
+    bad = [(e.method, e.target, e.status, e.response[:300]) for e in exchanges
+           if e.status is None or not 200 <= e.status < 300]  # fmt: skip
+    assert not bad, (bad, said)
+    assert done.returncode == 0, said
+
+
+async def recorded(url: str, nursery: trio.Nursery) -> Recording:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    rec = Recording((host, int(port)))
+    await nursery.start(rec.serve)
+    return rec
+
+
+def posts(exchanges: list[Exchange], path: str) -> list[Exchange]:
+    return [e for e in exchanges if e.method == "POST" and e.target.split("?")[0] == path]
+
+
+async def test_claude_code_runs_unchanged(client_model, tmp_path):
+    claude = client_bin("claude")
+    async with server_process("--model", client_model, openblas=True) as (url, _):
+        async with trio.open_nursery() as nursery:
+            rec = await recorded(url, nursery)
+            env = quiet_env(tmp_path / "home", ANTHROPIC_BASE_URL=f"http://127.0.0.1:{rec.port}",
+                            ANTHROPIC_API_KEY="sk-local")  # fmt: skip
+            done = await run_client([claude, "-p", "say hi"], env, tmp_path / "work")
+            nursery.cancel_scope.cancel()
+    exchanges = rec.exchanges()
+    assert_all_2xx(exchanges, done)
+    (first, *_) = posts(exchanges, "/v1/messages")
+    body = first.json()
+    assert first.headers.get("x-claude-code-session-id")
+    assert len(body["tools"]) >= 20 and body["max_tokens"] >= 32000 and body["stream"]
+
+
+async def test_claude_code_retries_with_less_output_after_the_context_error(
+    client_model, tmp_path
+):
+    """With less context than it asks for, Claude Code reads Anthropic's
+    context-limit wording and asks again with a smaller max_tokens."""
+    claude = client_bin("claude")
+    async with server_process(
+        "--model", client_model, "--context-length", "65536", openblas=True
+    ) as (url, _):
+        async with trio.open_nursery() as nursery:
+            rec = await recorded(url, nursery)
+            env = quiet_env(tmp_path / "home", ANTHROPIC_BASE_URL=f"http://127.0.0.1:{rec.port}",
+                            ANTHROPIC_API_KEY="sk-local")  # fmt: skip
+            done = await run_client([claude, "-p", "say hi"], env, tmp_path / "work")
+            nursery.cancel_scope.cancel()
+    sent = posts(rec.exchanges(), "/v1/messages")
+    said = (done.stdout + done.stderr).decode(errors="replace")[-2000:]
+    assert [e.status for e in sent][:2] == [400, 200], ([e.status for e in sent], said)
+    refused = json.loads(sent[0].response)["error"]["message"]
+    assert refused.startswith("input length and `max_tokens` exceed context limit: ")
+    assert sent[1].json()["max_tokens"] < sent[0].json()["max_tokens"]
+    assert done.returncode == 0, said
+
+
+CODEX_CONFIG = """model = "client-llama"
+model_provider = "local"
+
+[model_providers.local]
+name = "local"
+base_url = "http://127.0.0.1:{port}/v1"
+wire_api = "responses"
+env_key = "LOCAL_API_KEY"
+"""
+
+
+async def test_codex_runs_unchanged(client_model, tmp_path):
+    codex = client_bin("codex")
+    async with server_process("--model", client_model, openblas=True) as (url, _):
+        async with trio.open_nursery() as nursery:
+            rec = await recorded(url, nursery)
+            home = tmp_path / "home"
+            (home / ".codex").mkdir(parents=True)
+            (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(port=rec.port))
+            env = quiet_env(home, CODEX_HOME=str(home / ".codex"), LOCAL_API_KEY="sk-local")
+            argv = [codex, "exec", "--skip-git-repo-check", "say hi"]
+            done = await run_client(argv, env, tmp_path / "work")
+            nursery.cancel_scope.cancel()
+    exchanges = rec.exchanges()
+    assert_all_2xx(exchanges, done)
+    (first, *_) = posts(exchanges, "/v1/responses")
+    body = first.json()
+    assert body["prompt_cache_key"] and "include" in body
+    assert {t["type"] for t in body["tools"]} >= {"function", "namespace", "web_search"}
+    assert first.response.startswith(b"event: response.created")
+
+
+AGENT = """
+import asyncio, json, sys
+from openai import AsyncOpenAI
+from pydantic import BaseModel
+from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel,
+                    Runner, function_tool, set_tracing_disabled)
+
+set_tracing_disabled(True)
+calls = []
+
+
+@function_tool
+def get_weather(city: str) -> str:
+    "The weather in a city."
+    calls.append(city)
+    return "sunny, 21 C"
+
+
+class Verdict(BaseModel):
+    ok: bool
+
+
+async def main(url, kind):
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="sk-local")
+    cls = OpenAIResponsesModel if kind == "responses" else OpenAIChatCompletionsModel
+    model = cls(model="client-llama", openai_client=client)
+    settings = ModelSettings(tool_choice="required", max_tokens=64)
+    agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
+                  model=model, model_settings=settings)
+    result = await Runner.run(agent, "Weather in Paris?", max_turns=4)
+    shaped = Agent(name="verdict", instructions="Answer.", tools=[get_weather], model=model,
+                   model_settings=settings, output_type=Verdict)
+    verdict = await Runner.run(shaped, "Is it ok?", max_turns=4)
+    print(json.dumps({"calls": len(calls), "final": str(result.final_output)[:80],
+                      "verdict": verdict.final_output.model_dump()}))
+
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("kind", ["responses", "chat"])
+async def test_the_agents_sdk_runs_a_tool_loop(client_model, kind, tmp_path):
+    """The Agents SDK's tool loop (a required call, then its final answer) and a
+    structured answer (``output_type``) beside a required tool, on both models."""
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    async with server_process("--model", client_model, openblas=True) as (url, _):
+        async with trio.open_nursery() as nursery:
+            rec = await recorded(url, nursery)
+            env = quiet_env(tmp_path / "home", OPENAI_AGENTS_DISABLE_TRACING="1")
+            argv = [sys.executable, str(script), f"http://127.0.0.1:{rec.port}", kind]
+            done = await run_client(argv, env, tmp_path / "work")
+            nursery.cancel_scope.cancel()
+    exchanges = rec.exchanges()
+    assert_all_2xx(exchanges, done)
+    out = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert out["calls"] >= 1 and out["verdict"]["ok"] in (True, False), out
