@@ -108,9 +108,10 @@ async def test_the_captured_requests_get_2xx_from_a_server(client_model):
                 }, headers=claude["headers"])  # fmt: skip
                 assert r.status_code == 200 and r.json()["input_tokens"] > 5000, r.text
                 for sent, path in ((claude, "/v1/messages"), (codex, "/v1/responses")):
-                    async with http.stream(
-                        "POST", path, json=sent["body"], headers=sent["headers"]
-                    ) as r:
+                    # Codex names the model its config names; Claude Code's claude-* is ours
+                    body = {**sent["body"], "model": sent["body"]["model"].replace(
+                        "llama", "client-llama")}  # fmt: skip
+                    async with http.stream("POST", path, json=body, headers=sent["headers"]) as r:
                         text = (await r.aread()).decode()
                         assert r.status_code == 200, text[:500]
                     if path == "/v1/responses":

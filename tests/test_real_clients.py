@@ -188,7 +188,7 @@ async def main(url, kind):
     client = AsyncOpenAI(base_url=url + "/v1", api_key="sk-local")
     cls = OpenAIResponsesModel if kind == "responses" else OpenAIChatCompletionsModel
     model = cls(model="client-llama", openai_client=client)
-    settings = ModelSettings(tool_choice="required", max_tokens=64)
+    settings = ModelSettings(tool_choice="required", max_tokens=400)
     agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
                   model=model, model_settings=settings)
     result = await Runner.run(agent, "Weather in Paris?", max_turns=4)
