@@ -165,3 +165,58 @@ def test_the_clis_flags_are_the_declared_settings():
     assert got.allowed_origins == ("http://a", "http://b")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--prompt-cache-bytes", "lots"])
+
+
+async def test_context_errors_are_worded_as_each_api_words_them():
+    """Clients parse these to recover (Claude Code retries with a smaller
+    max_tokens on Anthropic's): the exact upstream wording, with the numbers."""
+    long = [{"role": "user", "content": "x " * 3000}]
+    with trio.fail_after(60):
+        async with running_server() as (url, _):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                r = await http.post("/v1/messages", json={"messages": ASK, "max_tokens": 5000})
+                n = int(r.json()["error"]["message"].split(": ")[1].split(" + ")[0])
+                assert r.status_code == 400 and r.json() == {"type": "error", "error": {
+                    "type": "invalid_request_error",
+                    "message": f"input length and `max_tokens` exceed context limit: {n} + "
+                               "5000 > 4096, decrease input length or `max_tokens` and try "
+                               "again"}}  # fmt: skip
+                r = await http.post("/v1/messages", json={"messages": long, "max_tokens": 5})
+                message = r.json()["error"]["message"]
+                assert r.status_code == 400 and message.startswith("prompt is too long: ")
+                assert message.endswith(" tokens > 4096 maximum")
+                r = await http.post("/v1/chat/completions", json={"messages": ASK,
+                                                                  "max_tokens": 5000})
+                error = r.json()["error"]
+                assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+                assert error["message"].startswith(
+                    f"This model's maximum context length is 4096 tokens. However, you "
+                    f"requested {n + 5000} tokens ({n} in the messages, 5000 in the "
+                    "completion). Please reduce the length of the messages or completion."
+                )
+                r = await http.post("/v1/responses", json={"input": ASK,
+                                                           "max_output_tokens": 5000})
+                error = r.json()["error"]
+                assert error["code"] == "context_length_exceeded"
+                assert error["message"].startswith("Your input exceeds the context window")
+
+
+async def test_refusals_are_counted_by_api_and_reason():
+    with trio.fail_after(60):
+        async with running_server() as (url, _):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                r = await http.post("/v1/messages", json={"messages": ASK, "max_tokens": 4,
+                                                          "no_such_field": 1})  # fmt: skip
+                assert r.status_code == 400 and "no_such_field" in r.text
+                r = await http.post("/v1/responses", json={"input": "hi",
+                                                           "previous_response_id": "r"})
+                assert r.status_code == 400
+                stats = (await http.get("/stats")).json()
+                metrics = (await http.get("/metrics")).text
+    counted = {(f["api"], f["status"], f["reason"]): f["count"] for f in stats["refusals"]}
+    assert counted == {("messages", 400, "invalid_request_error"): 1,
+                       ("responses", 400, "invalid_request_error"): 1}  # fmt: skip
+    refused = [r for r in stats["recent_requests"] if r["finish_reason"] == "refused"]
+    assert [r["api"] for r in refused] == ["messages", "responses"]
+    assert ('mlx_nursery_http_refusals_total{api="messages",reason="invalid_request_error",'
+            'status="400"} 1.0') in metrics
