@@ -20,6 +20,10 @@ from mlx_nursery.actors import models
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 MAX_TOKENS = 10
+# Prompts longer than this go through several prefill chunks (and, in the batch,
+# several turns while other rows decode): the path a long prompt takes. A longer
+# prompt adds minutes on a CPU and no path.
+STEP = 256
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -33,7 +37,8 @@ QUESTIONS = [
 
 
 def long_document() -> str:
-    """A held-out prompt past 4,000 tokens: varied sentences, no repeats of a block."""
+    """A held-out prompt of some 800 tokens (several prefill chunks of ``STEP``):
+    varied sentences, no repeats of a block."""
     subjects = ["The river", "A lighthouse keeper", "The old library", "Every winter", "The market"]
     verbs = ["remembers", "measures", "carries", "hides", "counts"]
     objects = [
@@ -45,7 +50,7 @@ def long_document() -> str:
     ]
     lines = [
         f"{i}. {subjects[i % 5]} {verbs[(i // 5) % 5]} {objects[(i // 25) % 5]} near harbour {i}."
-        for i in range(330)
+        for i in range(64)
     ]
     return "\n".join(lines)
 
@@ -85,7 +90,7 @@ def expected() -> list[list[int]]:
 
 
 def test_the_held_out_prompts_are_what_the_issue_asks():
-    assert max(len(p) for p in prompts()) > 4000
+    assert max(len(p) for p in prompts()) > 3 * STEP
     _, tokenizer = smollm2()
     assert any(ord(c) > 0x7FF for c in tokenizer.decode(prompts()[5]))  # multi-byte UTF-8
     answer = tokenizer.decode(expected()[0])
@@ -93,14 +98,16 @@ def test_the_held_out_prompts_are_what_the_issue_asks():
 
 
 async def test_the_serial_lane_equals_stream_generate():
-    async with checked_engine(smollm2(), batch=1, prompt_cache_size=0, prefill_step_size=512) as e:
+    settings = {"prompt_cache_size": 0, "prefill_step_size": STEP}
+    async with checked_engine(smollm2(), batch=1, **settings) as e:
         for ids, want in zip(prompts(), expected(), strict=True):
             got = await e.generate(ids, max_tokens=MAX_TOKENS)
             assert got.tokens == want
 
 
 async def test_a_lone_row_equals_stream_generate():
-    async with checked_engine(smollm2(), batch=8, prompt_cache_size=0, prefill_step_size=512) as e:
+    settings = {"prompt_cache_size": 0, "prefill_step_size": STEP}
+    async with checked_engine(smollm2(), batch=8, **settings) as e:
         for ids, want in list(zip(prompts(), expected(), strict=True))[:4]:
             got = await e.generate(ids, max_tokens=MAX_TOKENS)
             assert got.tokens == want
@@ -118,7 +125,7 @@ async def test_staggered_arrivals_in_the_batch_equal_stream_generate(batch):
         results[i] = await e.generate(ids, max_tokens=MAX_TOKENS)
 
     async with checked_engine(
-        smollm2(), batch=batch, prompt_cache_size=0, prefill_step_size=512
+        smollm2(), batch=batch, prompt_cache_size=0, prefill_step_size=STEP
     ) as e:
         async with trio.open_nursery() as nursery:
             for i, (ids, _) in enumerate(cases):
