@@ -94,7 +94,8 @@ async def test_each_error_is_the_sdks_matching_exception():
                 )  # fmt: skip
             assert "image" in str(err.value)
             with pytest.raises(anthropic.NotFoundError):
-                await client.messages.create(model="claude-9", max_tokens=8, messages=ASK)
+                # (claude-* names are this server's model: Claude Code asks for them)
+                await client.messages.create(model="gpt-17", max_tokens=8, messages=ASK)
             with pytest.raises(anthropic.BadRequestError):
                 await client.messages.create(model="llama", max_tokens=0, messages=ASK)
             with pytest.raises(anthropic.APIStatusError) as err:

@@ -79,8 +79,9 @@ async def test_text_stream_function_calls_and_formats_through_the_sdk():
                     model="llama", input="hi", previous_response_id="resp_1"
                 )
             # a hosted tool this server cannot run is left out, and said so
-            raw = await client.responses.with_raw_response.create(
+            async with client.responses.with_streaming_response.create(
                 model="llama", input="hi", tools=[{"type": "web_search"}], max_output_tokens=4
-            )
-            assert raw.headers["x-ignored-tools"] == "web_search"
+            ) as raw:
+                assert raw.headers["x-ignored-tools"] == "web_search"
+                await raw.parse()
             await client.close()
