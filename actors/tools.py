@@ -22,7 +22,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import jsonschema
 
+from .constrain import loosen
 from .errors import InvalidRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -96,8 +98,6 @@ class ToolCall:
 
 def loosen_tools(tools: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> tuple:
     """The tools with the schema keywords ``keys`` left out of their parameters."""
-    from .constrain import loosen
-
     out = []
     for tool in tools:
         fn = dict(tool["function"])
@@ -108,8 +108,6 @@ def loosen_tools(tools: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> tup
 
 def meets_schema(tools: Sequence[Mapping[str, Any]], name: str, arguments: str) -> bool:
     """Whether a call's arguments meet its tool's full schema."""
-    import jsonschema
-
     for tool in tools:
         if tool["function"]["name"] == name:
             schema = tool["function"].get("parameters") or {"type": "object"}
