@@ -56,7 +56,7 @@ async def test_the_dashboard_shows_the_live_rows_and_updates_without_console_err
                 # the load still runs after the page (an agent between two requests
                 # is not active for an instant: read until the eight are back in)
                 with trio.move_on_after(5):
-                    while (after := (await client.get("/stats")).json())["active_rows"] < 6:
+                    while (after := (await client.get("/stats")).json())["active_rows"] < 6:  # noqa: ASYNC110
                         await trio.sleep(0.05)
                 ARTIFACTS.mkdir(exist_ok=True)
                 shot = ARTIFACTS / "dashboard.png"
