@@ -94,7 +94,7 @@ class Engine:
         row.request_id = None if request_id is None else str(request_id)
         row.session = None if session is None else str(session)
         self._live[row.id] = row
-        return RequestStream(self, row, row.id, row.params, receive)
+        return RequestStream(self, row, row.id, row.params, receive, len(row.prompt))
 
     def live(self) -> list[RowView]:
         """Every live row (queued, prefilling, decoding, serial), oldest first: a

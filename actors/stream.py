@@ -29,6 +29,7 @@ class RequestStream:
     id: int
     params: SamplingParams
     _receive: trio.MemoryReceiveChannel
+    prompt_tokens: int = 0  # the prompt's length, as the engine tokenized it
     _ended: bool = False  # the terminal event has been read
     # Called with the terminal event as it is read, in the reader's task; what it
     # returns is handed out instead (the server adds what it knows, then records).

@@ -90,19 +90,13 @@ class Routes:
     def settings(self) -> Settings:
         return self.state.settings
 
-    def served(self, engine: Engine) -> Served:
-        def count(parsed: Parsed) -> int:
-            return len(engine.encode(parsed.prompt, **parsed.prompt_params))
-
-        return Served(self.state.model_id, engine.tokenizer, count)
-
     async def generate(self, api: Api) -> Response:
         """Every API's generation route: the same path, the API's shapes."""
         engine = self.state.engine_or_503()
         parsed = api.parse(await body_json(self.settings.body_timeout), request.headers)
         self._check_model(parsed)
         stream = await self._start(engine, parsed, api)
-        served = self.served(engine)
+        served = Served(self.state.model_id, engine.tokenizer, stream.prompt_tokens)
         if parsed.stream:
             response = event_stream(sse(stream, api.shaper(parsed, served)))
         else:
@@ -120,7 +114,7 @@ class Routes:
             body = {"max_tokens": 1, **body}
         parsed = Messages().parse(body, request.headers)
         try:
-            tokens = self.served(engine).count(parsed)
+            tokens = len(engine.encode(parsed.prompt, **parsed.prompt_params))
         except InvalidRequest as exc:
             raise bad(str(exc), parsed.field(exc.param)) from None
         return json_response(count_body(tokens))

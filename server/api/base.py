@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import attrs
@@ -93,12 +93,13 @@ class Parsed:
 
 @attrs.frozen
 class Served:
-    """What a response needs to know of the server: the model's public name, its
-    tokenizer (logprobs' token texts) and a prompt's length in tokens."""
+    """What a response needs to know of the server and the request: the model's
+    public name, its tokenizer (logprobs' token texts) and the prompt's length in
+    tokens (as the engine tokenized it at submit)."""
 
     model: str
     tokenizer: Any
-    count: Callable[[Parsed], int]
+    prompt_tokens: int
 
 
 class Shaper:

@@ -377,7 +377,7 @@ class Messages(Api):
         return message_body(result, served.model)
 
     def shaper(self, parsed: Parsed, served: Served) -> StreamShaper:
-        return StreamShaper(served.model, served.count(parsed))
+        return StreamShaper(served.model, served.prompt_tokens)
 
     def error(self, err: ApiError) -> tuple[dict, int]:
         return error_body(err)
