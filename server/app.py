@@ -37,14 +37,13 @@ APIS: dict[str, Api] = {
     "/v1/messages": Messages(),
     "/v1/responses": Responses(),
 }
-_OPENAI = Chat()
 
 
 def api_of(path: str) -> Api:
     """The API a path speaks, for its errors (OpenAI's shape off the API routes)."""
     if path == "/v1/messages/count_tokens":
         return APIS["/v1/messages"]
-    return APIS.get(path, _OPENAI)
+    return APIS.get(path) or APIS["/v1/chat/completions"]
 
 
 def error_response(err: ApiError) -> Response:
@@ -123,15 +122,22 @@ class HostCheck:
         body, status = api.error(ApiError(403, message, type="forbidden", code="host_not_allowed"))
         self.state.requests.refuse(api=api.name, status=status, reason="host_not_allowed",
                                    request_id=_header(scope, b"x-request-id"))  # fmt: skip
-        data = json.dumps(body).encode()
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(data)).encode())]  # fmt: skip
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": data})
+        headers = {"Content-Type": "application/json"}
+        await _answer(send, status, headers, json.dumps(body).encode())
 
 
 def _header(scope: dict, name: bytes) -> str | None:
     return next((v.decode("latin-1") for k, v in scope["headers"] if k == name), None)
+
+
+async def _answer(send: Callable, status: int, headers: dict[str, str], data: bytes,
+                  *, head: bool = False) -> None:  # fmt: skip
+    """A whole answer sent in front of the app (one task, two sends); ``head``:
+    the headers of ``data`` without its body."""
+    headers = {**headers, "Content-Length": str(len(data))}
+    fields = [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": fields})
+    await send({"type": "http.response.body", "body": b"" if head else data})
 
 
 @attrs.frozen
@@ -163,10 +169,7 @@ class HealthFirst:
             headers = {"Content-Type": "application/json", "Allow": allow}
         origin, host = _header(scope, b"origin"), _header(scope, b"host")
         headers.update(cors_headers(origin, host, self.state.settings))
-        headers["Content-Length"] = str(len(data))
-        fields = [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
-        await send({"type": "http.response.start", "status": status, "headers": fields})
-        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else data})
+        await _answer(send, status, headers, data, head=method == "HEAD")
 
 
 def create_app(settings: Settings) -> QuartTrio:

@@ -16,7 +16,7 @@ from mlx_nursery.actors.settings import setting
 API_KEY_ENV = "MLX_NURSERY_API_KEY"
 
 
-def _origins(text: str) -> tuple[str, ...]:
+def _names(text: str) -> tuple[str, ...]:
     return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
@@ -32,12 +32,12 @@ class Settings:
     port: int = setting(8080, help="port to bind; 0 picks one")
     # Browsers: CORS grants beyond the server's own origin (see access.py).
     allowed_origins: tuple[str, ...] = setting(
-        (), parse=_origins, shown="the server's own only",
+        (), parse=_names, shown="the server's own only",
         help="comma-separated origins whose web pages may use the server (CORS), or * for any",
     )  # fmt: skip
     # DNS rebinding: Host names answered beyond the loopback ones and the bound address.
     allowed_hosts: tuple[str, ...] = setting(
-        (), parse=_origins, shown="loopback names and the bound address",
+        (), parse=_names, shown="loopback names and the bound address",
         help="comma-separated Host names to answer besides those, or * for any",
     )  # fmt: skip
     max_request_bytes: int = setting(16 * 1024 * 1024, cli=False, help="a larger body is a 413")

@@ -5,15 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mlx_nursery.actors import Result
-
-from .base import Api, Parsed, Served, Style, bad, check_bool, model_of, session_of
+from .base import Parsed, Style, bad, check_bool, model_of, session_of
 from .openai import (
     TOOL_FIELDS,
-    ChunkShaper,
+    OpenAIApi,
     check_fields,
     common,
-    full_response,
     session_hints,
     stream_flags,
 )
@@ -110,14 +107,8 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
                   ids, session, ignored)  # fmt: skip
 
 
-class Chat(Api):
+class Chat(OpenAIApi):
     name = "chat.completions"
 
     def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
         return parse_chat(body, headers)
-
-    def body(self, parsed: Parsed, result: Result, served: Served) -> dict:
-        return full_response(parsed, served.model, result, served.tokenizer)
-
-    def shaper(self, parsed: Parsed, served: Served) -> ChunkShaper:
-        return ChunkShaper(parsed, served.model, served.tokenizer)

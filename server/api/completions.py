@@ -5,13 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mlx_nursery.actors import ContextOverflow, Result
+from mlx_nursery.actors import ContextOverflow
 
 from .base import (
-    Api,
     ApiError,
     Parsed,
-    Served,
     Style,
     bad,
     check_bool,
@@ -19,7 +17,7 @@ from .base import (
     openai_context_error,
     session_of,
 )
-from .openai import ChunkShaper, check_fields, common, full_response, session_hints, stream_flags
+from .openai import OpenAIApi, check_fields, common, session_hints, stream_flags
 
 
 def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
@@ -44,7 +42,7 @@ def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> Par
                   session)  # fmt: skip
 
 
-class Completions(Api):
+class Completions(OpenAIApi):
     name = "completions"
 
     def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
@@ -52,9 +50,3 @@ class Completions(Api):
 
     def context_error(self, exc: ContextOverflow, param: str | None) -> ApiError:
         return openai_context_error(exc, "prompt", param)
-
-    def body(self, parsed: Parsed, result: Result, served: Served) -> dict:
-        return full_response(parsed, served.model, result, served.tokenizer)
-
-    def shaper(self, parsed: Parsed, served: Served) -> ChunkShaper:
-        return ChunkShaper(parsed, served.model, served.tokenizer)

@@ -14,8 +14,10 @@ from mlx_nursery.actors.tools import ToolCall
 
 from ..request_log import cache_body
 from .base import (
+    Api,
     ApiError,
     Parsed,
+    Served,
     Shaper,
     Style,
     bad,
@@ -355,3 +357,14 @@ class ChunkShaper(Shaper):
     def usage_chunk(self, usage: Usage) -> dict:
         """The final chunk of a stream with ``include_usage``: no choices, the usage."""
         return {**self._wrap([]), "usage": usage_body(usage)}
+
+
+class OpenAIApi(Api):
+    """Chat and text completions: one response object family, one chunk stream;
+    each says only how it parses (and, for text, its context wording)."""
+
+    def body(self, parsed: Parsed, result: Result, served: Served) -> dict:
+        return full_response(parsed, served.model, result, served.tokenizer)
+
+    def shaper(self, parsed: Parsed, served: Served) -> ChunkShaper:
+        return ChunkShaper(parsed, served.model, served.tokenizer)
