@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -78,11 +79,33 @@ def assert_all_2xx(exchanges: list[Exchange], done: subprocess.CompletedProcess)
     assert done.returncode == 0, said
 
 
-async def recorded(url: str, nursery: trio.Nursery) -> Recording:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    rec = Recording((host, int(port)))
-    await nursery.start(rec.serve)
-    return rec
+async def recorded_run(
+    client: Callable[[int], tuple[list[str], dict]], cwd: Path, *server_args: str
+) -> tuple[list[Exchange], subprocess.CompletedProcess]:
+    """A server (``server_args``), the recording proxy in front of it, and one run
+    of the client that ``client(proxy_port)`` gives as (argv, env); what the
+    client sent and got, and how it ended."""
+    async with server_process(*server_args, openblas=True) as (url, _):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        rec = Recording((host, int(port)))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(rec.serve)
+            argv, env = client(rec.port)
+            done = await run_client(argv, env, cwd)
+            nursery.cancel_scope.cancel()
+    return rec.exchanges(), done
+
+
+def claude_code(home: Path) -> Callable[[int], tuple[list[str], dict]]:
+    """`claude -p`, its defaults, pointed at the proxy."""
+    claude = client_bin("claude")
+
+    def run(port: int) -> tuple[list[str], dict]:
+        env = quiet_env(home, ANTHROPIC_BASE_URL=f"http://127.0.0.1:{port}",
+                        ANTHROPIC_API_KEY="sk-local")  # fmt: skip
+        return [claude, "-p", "say hi"], env
+
+    return run
 
 
 def posts(exchanges: list[Exchange], path: str) -> list[Exchange]:
@@ -90,15 +113,8 @@ def posts(exchanges: list[Exchange], path: str) -> list[Exchange]:
 
 
 async def test_claude_code_runs_unchanged(client_model, tmp_path):
-    claude = client_bin("claude")
-    async with server_process("--model", client_model, openblas=True) as (url, _):
-        async with trio.open_nursery() as nursery:
-            rec = await recorded(url, nursery)
-            env = quiet_env(tmp_path / "home", ANTHROPIC_BASE_URL=f"http://127.0.0.1:{rec.port}",
-                            ANTHROPIC_API_KEY="sk-local")  # fmt: skip
-            done = await run_client([claude, "-p", "say hi"], env, tmp_path / "work")
-            nursery.cancel_scope.cancel()
-    exchanges = rec.exchanges()
+    client = claude_code(tmp_path / "home")
+    exchanges, done = await recorded_run(client, tmp_path / "work", "--model", client_model)
     assert_all_2xx(exchanges, done)
     (first, *_) = posts(exchanges, "/v1/messages")
     body = first.json()
@@ -111,17 +127,11 @@ async def test_claude_code_retries_with_less_output_after_the_context_error(
 ):
     """With less context than it asks for, Claude Code reads Anthropic's
     context-limit wording and asks again with a smaller max_tokens."""
-    claude = client_bin("claude")
-    async with server_process(
-        "--model", client_model, "--context-length", "65536", openblas=True
-    ) as (url, _):
-        async with trio.open_nursery() as nursery:
-            rec = await recorded(url, nursery)
-            env = quiet_env(tmp_path / "home", ANTHROPIC_BASE_URL=f"http://127.0.0.1:{rec.port}",
-                            ANTHROPIC_API_KEY="sk-local")  # fmt: skip
-            done = await run_client([claude, "-p", "say hi"], env, tmp_path / "work")
-            nursery.cancel_scope.cancel()
-    sent = posts(rec.exchanges(), "/v1/messages")
+    client = claude_code(tmp_path / "home")
+    exchanges, done = await recorded_run(
+        client, tmp_path / "work", "--model", client_model, "--context-length", "65536"
+    )
+    sent = posts(exchanges, "/v1/messages")
     said = (done.stdout + done.stderr).decode(errors="replace")[-2000:]
     assert [e.status for e in sent][:2] == [400, 200], ([e.status for e in sent], said)
     refused = json.loads(sent[0].response)["error"]["message"]
@@ -142,18 +152,15 @@ env_key = "LOCAL_API_KEY"
 
 
 async def test_codex_runs_unchanged(client_model, tmp_path):
-    codex = client_bin("codex")
-    async with server_process("--model", client_model, openblas=True) as (url, _):
-        async with trio.open_nursery() as nursery:
-            rec = await recorded(url, nursery)
-            home = tmp_path / "home"
-            (home / ".codex").mkdir(parents=True)
-            (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(port=rec.port))
-            env = quiet_env(home, CODEX_HOME=str(home / ".codex"), LOCAL_API_KEY="sk-local")
-            argv = [codex, "exec", "--skip-git-repo-check", "say hi"]
-            done = await run_client(argv, env, tmp_path / "work")
-            nursery.cancel_scope.cancel()
-    exchanges = rec.exchanges()
+    codex, config = client_bin("codex"), tmp_path / "home" / ".codex"
+
+    def client(port: int) -> tuple[list[str], dict]:
+        config.mkdir(parents=True)
+        (config / "config.toml").write_text(CODEX_CONFIG.format(port=port))
+        env = quiet_env(tmp_path / "home", CODEX_HOME=str(config), LOCAL_API_KEY="sk-local")
+        return [codex, "exec", "--skip-git-repo-check", "say hi"], env
+
+    exchanges, done = await recorded_run(client, tmp_path / "work", "--model", client_model)
     assert_all_2xx(exchanges, done)
     (first, *_) = posts(exchanges, "/v1/responses")
     body = first.json()
@@ -209,14 +216,12 @@ async def test_the_agents_sdk_runs_a_tool_loop(client_model, kind, tmp_path):
     structured answer (``output_type``) beside a required tool, on both models."""
     script = tmp_path / "agent.py"
     script.write_text(AGENT)
-    async with server_process("--model", client_model, openblas=True) as (url, _):
-        async with trio.open_nursery() as nursery:
-            rec = await recorded(url, nursery)
-            env = quiet_env(tmp_path / "home", OPENAI_AGENTS_DISABLE_TRACING="1")
-            argv = [sys.executable, str(script), f"http://127.0.0.1:{rec.port}", kind]
-            done = await run_client(argv, env, tmp_path / "work")
-            nursery.cancel_scope.cancel()
-    exchanges = rec.exchanges()
+
+    def client(port: int) -> tuple[list[str], dict]:
+        env = quiet_env(tmp_path / "home", OPENAI_AGENTS_DISABLE_TRACING="1")
+        return [sys.executable, str(script), f"http://127.0.0.1:{port}", kind], env
+
+    exchanges, done = await recorded_run(client, tmp_path / "work", "--model", client_model)
     assert_all_2xx(exchanges, done)
     out = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert out["calls"] >= 1 and out["verdict"]["ok"] in (True, False), out
