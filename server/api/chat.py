@@ -13,6 +13,7 @@ from .openai import (
     common,
     session_hints,
     stream_flags,
+    thinking_of,
 )
 
 
@@ -65,14 +66,6 @@ def _tools(body: Mapping[str, Any], params: dict[str, Any]) -> tuple[str, ...]:
         if not kept and params.get("tool_choice") in ("auto", None):
             params.pop("tools")
     return tuple(ignored)
-
-
-def thinking_of(effort: Any) -> dict | None:
-    """A reasoning effort as the chat template's switch: ``none`` and ``minimal``
-    turn thinking off, any other effort on (a template without it ignores it)."""
-    if not isinstance(effort, str):
-        return None
-    return {"enable_thinking": effort not in ("none", "minimal")}
 
 
 def parse_chat(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:

@@ -84,7 +84,8 @@ def check_fields(body: Mapping[str, Any], route: str) -> None:
 
 
 def session_hints(body: Mapping[str, Any]) -> tuple:
-    """The body's session hints, in the documented order (after the headers)."""
+    """An OpenAI body's session hints (chat, completions and Responses alike), in
+    the documented order (after the headers)."""
     return (body.get("prompt_cache_key"), body.get("user"), body.get("safety_identifier"))
 
 
@@ -112,6 +113,14 @@ def stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
             raise bad("'stream_options' must be an object", "stream_options")
         include_usage = bool(check_bool(opts, "include_usage"))
     return stream, include_usage
+
+
+def thinking_of(effort: Any) -> dict | None:
+    """A reasoning effort as the chat template's switch: ``none`` and ``minimal``
+    turn thinking off, any other effort on (a template without it ignores it)."""
+    if not isinstance(effort, str):
+        return None
+    return {"enable_thinking": effort not in ("none", "minimal")}
 
 
 def usage_body(usage: Usage) -> dict:

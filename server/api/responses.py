@@ -39,7 +39,7 @@ from .base import (
     session_of,
     sse_event,
 )
-from .chat import thinking_of
+from .openai import session_hints, thinking_of
 
 HONOURED = frozenset((
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
@@ -209,10 +209,9 @@ def parse_responses(body: Any, headers: Mapping[str, str] | None = None) -> Pars
         params["chat_template_kwargs"] = thinking
     stream, model = bool(check_bool(body, "stream")), model_of(body)
     fields = {"max_tokens": "max_output_tokens", "response_format": "text"}
-    hints = (body.get("prompt_cache_key"), body.get("user"), body.get("safety_identifier"))
     names = {flat: key for key, flat in aliases.items()}
     return Parsed(chat, params, stream, False, model, Style.CHAT, fields,
-                  session=session_of(headers, *hints), ignored_tools=ignored,
+                  session=session_of(headers, *session_hints(body)), ignored_tools=ignored,
                   tool_names=names)  # fmt: skip
 
 
