@@ -16,6 +16,7 @@ from .loading import ModelInfo
 from .request import (
     CacheReason,
     CacheReport,
+    CacheTier,
     Event,
     FinishReason,
     Lane,
@@ -33,6 +34,7 @@ from .tools import ToolCall
 __all__ = [
     "CacheReason",
     "CacheReport",
+    "CacheTier",
     "ContextOverflow",
     "Engine",
     "EngineClosed",

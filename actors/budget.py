@@ -101,7 +101,11 @@ def parse_bytes(value: str) -> int:
 
 
 def parse_budget(value: int | str | None) -> int | str | None:
-    """None (no budget), 'auto', or a byte count (an int, or a string like 4G)."""
+    """None (no budget; also 'none'), 'auto', or a byte count (an int, or a string
+    like 4G)."""
     if value is None or isinstance(value, int):
         return value
-    return "auto" if value.strip().lower() == "auto" else parse_bytes(value)
+    word = value.strip().lower()
+    if word == "none":
+        return None
+    return "auto" if word == "auto" else parse_bytes(value)

@@ -14,6 +14,7 @@ the GPU actor's thread. See ``docs/engine.md`` for the graph and a row's life.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import weakref
 from collections.abc import AsyncIterator
@@ -24,7 +25,7 @@ from typing import Any
 import attrs
 import trio
 
-from . import admission, decode, emitter, prefill, prompt_cache, serial
+from . import admission, decode, disk_cache, emitter, prefill, prompt_cache, serial
 from .admission import Admission, Enqueue, Refused, Shutdown
 from .budget import auto_budget
 from .constrain import ll_tokenizer
@@ -46,7 +47,10 @@ from .stats import Count, Metric, Mode, Stats, StatsSnapshot
 from .stream import RequestStream
 from .watchdog import Watchdog, stall_reason
 
+log = logging.getLogger("mlx_nursery.engine")
+
 SHUTDOWN_GRACE_SECONDS = 10.0  # rows in flight get this long to take their terminal event
+DISK_FLUSH_SECONDS = 5.0  # then the disk tier's queued writes get this long
 
 
 @attrs.define(eq=False)
@@ -288,8 +292,13 @@ async def open_engine(
             mode=_mode(settings.batch, info.batchable),
             kv_budget_bytes=budget,
         )
+        disk = None
+        if settings.prompt_cache_size and settings.prompt_cache_disk != 0 and not sharded:
+            disk = await disk_cache.open_tier(
+                gpu, loaded, info.id, settings.prompt_cache_dir, settings.prompt_cache_disk
+            )
         actors, to_admission, admitter = _wire(
-            loaded, tokenizer, info, settings, budget, gpu, stats
+            loaded, tokenizer, info, settings, budget, gpu, stats, disk
         )
         if sharded:
             actors.append(RankWatch(gpu.replica, gpu))
@@ -304,6 +313,8 @@ async def open_engine(
             finally:
                 with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_GRACE_SECONDS):
                     await engine.close()
+                with trio.CancelScope(shield=True):
+                    await _flush(actors)
                 actors_scope.cancel()
     finally:
         await gpu.stop()
@@ -317,6 +328,7 @@ def _wire(
     budget: int | None,
     gpu: Gpu,
     stats: Stats,
+    disk: disk_cache.DiskTier | None = None,
 ) -> tuple[list[Any], trio.MemorySendChannel, Admission]:
     """Open every mailbox, then build each actor with its ends, in one pass. Each
     producer gets its own clone of a send end and closes it when it stops; the
@@ -372,12 +384,24 @@ def _wire(
     ]
     actors.append(Watchdog(gpu, stats, settings.step_timeout))
     if cache is not None:
-        size, cap = settings.prompt_cache_size, settings.prompt_cache_bytes or 1 << 62
-        actors.insert(1, PromptCacheActor(gpu, stats, cache.inbox, size, cap))
+        # The cache lives inside the budget: it starts with all of it, and admission
+        # lowers its share as live rows take some (Trim).
+        cap = min(settings.prompt_cache_bytes or 1 << 62, 1 << 62 if budget is None else budget)
+        actors.insert(
+            1, PromptCacheActor(gpu, stats, cache.inbox, settings.prompt_cache_size, cap, disk)
+        )
     for box in (pre, dec, ser, emit, cache):
         if box is not None:
             box.send.close()
     return actors, adm.send, admitter
+
+
+async def _flush(actors: list[Any]) -> None:
+    """Give the disk tier's queued writes a few seconds to land."""
+    for actor in actors:
+        if isinstance(actor, PromptCacheActor) and actor.disk is not None:
+            if not await actor.flush(DISK_FLUSH_SECONDS):
+                log.warning("prompt cache: shut down with disk writes still queued")
 
 
 @asynccontextmanager

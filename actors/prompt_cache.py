@@ -16,6 +16,11 @@ with mlx-lm's eviction preference). What is ours is the take:
 
 Every mlx touch (clone, trim, byte counts) runs on the GPU thread, called from
 this actor's own task only, so the store has one owner.
+
+With a disk tier (``disk_cache.py``), a take that memory serves less well than a
+file on disk loads the file instead; long entries are written as soon as they
+are put and others when memory evicts them, by one writer task, so no write
+waits on the GPU thread or blocks the loop.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import collections
 import contextlib
 import copy
 import enum
+import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,12 +39,16 @@ import numpy as np
 import trio
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from . import disk_cache
+from .disk_cache import BadFile, DiskEntry, DiskTier, as_tokens, holds
 from .errors import RanksLost
 from .gpu import Gpu
 from .ranks import Mirrored, mirrored
-from .request import CacheReason, CacheReport
+from .request import CacheReason, CacheReport, CacheTier
 from .row import Row
-from .stats import Count, Gauge, Metric, Stats
+from .stats import Count, Gauge, Metric, Observe, Stats
+
+log = logging.getLogger("mlx_nursery.engine")
 
 MAILBOX_SIZE = 4096
 KEY = "model"  # one model per engine: the trie's model key is a constant
@@ -82,11 +93,13 @@ EVICTED_KEPT = 32
 
 
 class _RecordingLRU:
-    """mlx-lm's LRU order, noting the tokens of every entry it gives up (its
-    ``pop`` is only called to evict, by entry count or bytes)."""
+    """mlx-lm's LRU order, noting every entry it gives up (its ``pop`` is only
+    called to evict, by entry count or bytes): the tokens (no KV) to tell
+    "evicted" from "never cached", and with ``spill`` on, the whole entry, for
+    the disk tier to write."""
 
-    def __init__(self, inner: Any, evicted: collections.deque) -> None:
-        self._inner, self._evicted = inner, evicted
+    def __init__(self, inner: Any, store: Store) -> None:
+        self._inner, self._store = inner, store
 
     def __len__(self) -> int:
         return len(self._inner)
@@ -96,7 +109,12 @@ class _RecordingLRU:
 
     def pop(self) -> Any:
         model, tokens = self._inner.pop()
-        self._evicted.append(np.asarray(tokens))
+        store = self._store
+        store.evicted.append(np.asarray(tokens))
+        store.evictions += 1
+        if store.spill:
+            entry = store._trie.get(KEY, tokens)
+            store.spilled.append(Put(list(tokens), entry.prompt_cache, EntryKind(entry.cache_type)))
         return model, tokens
 
 
@@ -106,8 +124,13 @@ class Store(LRUPromptCache):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._evicted: collections.deque = collections.deque(maxlen=EVICTED_KEPT)
-        self._lru = _RecordingLRU(self._lru, self._evicted)
+        self.evicted: collections.deque = collections.deque(maxlen=EVICTED_KEPT)
+        self.evictions = 0  # entries evicted so far
+        # With a disk tier: the entries evicted since the actor last took them.
+        # Read and cleared by the actor between its GPU calls (it owns the store).
+        self.spill = False
+        self.spilled: list[Put] = []
+        self._lru = _RecordingLRU(self._lru, self)
 
     def take(self, tokens: list[int]) -> Hit:
         """The longest usable cached prefix of ``tokens``, with its report."""
@@ -120,17 +143,20 @@ class Store(LRUPromptCache):
 
     def _report(self, tokens: list[int], shared: int, cached: int) -> CacheReport:
         if cached >= len(tokens) - 1:
-            return CacheReport(CacheReason.FULL, cached, shared)
+            return CacheReport(CacheReason.FULL, cached, shared, tier=CacheTier.MEMORY)
         if shared > cached:
-            return CacheReport(CacheReason.NOT_TRIMMABLE, cached, shared, diverged_at=cached)
+            return CacheReport(CacheReason.NOT_TRIMMABLE, cached, shared, diverged_at=cached,
+                               tier=CacheTier.MEMORY)  # fmt: skip
         gone = 0
-        if self._evicted:  # vectorised: this runs on the GPU thread, per partial miss
+        if self.evicted:  # vectorised: this runs on the GPU thread, per partial miss
             mine = np.asarray(tokens)
-            gone = max(_shared_array(mine, old) for old in self._evicted)
+            gone = max(_shared_array(mine, old) for old in self.evicted)
         if gone > shared:
-            return CacheReport(CacheReason.EVICTED, cached, gone, diverged_at=cached)
+            return CacheReport(CacheReason.EVICTED, cached, gone, diverged_at=cached,
+                               tier=CacheTier.MEMORY if cached else None)  # fmt: skip
         reason = CacheReason.DIVERGED if shared else CacheReason.NO_ENTRY
-        return CacheReport(reason, cached, shared, diverged_at=shared)
+        return CacheReport(reason, cached, shared, diverged_at=shared,
+                           tier=CacheTier.MEMORY if cached else None)  # fmt: skip
 
     def _take(self, tokens: list[int], found: Any) -> Hit:
         limit = len(tokens) - 1  # the last prompt token is always forwarded
@@ -199,36 +225,59 @@ class Trim:
 
 
 @attrs.define(eq=False)
+class PendingWrite:
+    tokens: np.ndarray = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    caches: list[Any] = attrs.field(repr=False)
+    kind: EntryKind
+    trimmable: bool
+
+    def covers(self, tokens: np.ndarray) -> bool:
+        return holds(self.tokens, self.trimmable, tokens)
+
+
+@attrs.define(eq=False)
 class PromptCacheActor:
     gpu: Gpu
     stats: Stats
     inbox: trio.MemoryReceiveChannel
     max_entries: int = 10
     max_bytes: int = 1 << 62
+    disk: DiskTier | None = None  # the disk tier, or None
     _store: Store = attrs.field(init=False)
     _ceiling: int = attrs.field(init=False)  # the budget's share, lowered by Trim
+    _pending: list[PendingWrite] = attrs.field(factory=list, init=False)  # disk writes
+    _wake: trio.Event = attrs.field(factory=trio.Event, init=False)  # a write was queued
+    _handling: bool = attrs.field(default=False, init=False)  # a message in hand
+    _writing: bool = attrs.field(default=False, init=False)  # a write in hand
 
     def __attrs_post_init__(self) -> None:
         self._store = Store(max_size=self.max_entries, max_bytes=self.max_bytes)
+        self._store.spill = self.disk is not None
         self._ceiling = self.max_bytes
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with self.inbox:
-            task_status.started()
-            async for message in self.inbox:
-                await self.dispatch(message)
-                self.stats.post(
-                    Gauge(Metric.PROMPT_CACHE_ENTRIES, len(self._store)),
-                    Gauge(Metric.PROMPT_CACHE_BYTES, self._store.nbytes),
-                )
+            async with trio.open_nursery() as nursery:
+                if self.disk is not None:
+                    nursery.start_soon(self._writer)
+                self._post_disk()
+                task_status.started()
+                async for message in self.inbox:
+                    self._handling = True
+                    await self.dispatch(message)
+                    self._handling = False
+                    self.stats.post(
+                        Gauge(Metric.PROMPT_CACHE_ENTRIES, len(self._store)),
+                        Gauge(Metric.PROMPT_CACHE_BYTES, self._store.nbytes),
+                        Gauge(Metric.PROMPT_CACHE_CEILING, min(self._ceiling, self.max_bytes)),
+                    )
+                await self.flush()
+                nursery.cancel_scope.cancel()
 
     async def dispatch(self, message: Take | Put | Trim) -> None:
         match message:
             case Take(tokens, reply):
-                try:
-                    hit = await self.gpu.call(self._store.take, tokens)
-                except RanksLost:  # the call never ran
-                    hit = Hit(None, 0)
+                hit = await self._take(tokens)
                 if hit.caches is None:
                     self.stats.post(Count(Metric.PROMPT_CACHE_MISSES))
                 else:
@@ -242,12 +291,152 @@ class PromptCacheActor:
             case Put(tokens, caches, kind):
                 with contextlib.suppress(RanksLost):
                     await self.gpu.call(self._store.put, tokens, caches, kind, self._ceiling)
+                if self.disk is not None and len(tokens) >= disk_cache.LONG_PREFIX:
+                    self._queue_write(message)
+                self._spilled()
             case Trim(max_bytes):
                 self._ceiling = min(self.max_bytes, max(0, max_bytes))
                 with contextlib.suppress(RanksLost):
                     await self.gpu.call(self._store.trim_bytes, self._ceiling)
+                self._spilled()
             case _:
                 raise TypeError(f"prompt cache got an unexpected message: {message!r}")
+
+    async def _take(self, tokens: list[int]) -> Hit:
+        """Memory's best; a file on disk instead where it serves more of the prompt."""
+        try:
+            hit = await self.gpu.call(self._store.take, tokens)
+        except RanksLost:  # the call never ran
+            return Hit(None, 0)
+        if self.disk is None:
+            return hit
+        entry, usable = self.disk.nearest(tokens)
+        if entry is None or usable <= hit.cached:
+            return hit
+        caches = await self._load(entry, len(entry.tokens) - usable)
+        if caches is None:
+            return hit
+        report = hit.report or CacheReport(CacheReason.NO_ENTRY)
+        full = usable >= len(tokens) - 1
+        report = attrs.evolve(
+            report,
+            reason=CacheReason.FULL if full else report.reason,
+            cached=usable,
+            shared=max(report.shared, usable),
+            diverged_at=None if full else max(usable, report.diverged_at or 0),
+            tier=CacheTier.DISK,
+        )
+        return Hit(caches, usable, report)
+
+    async def _load(self, entry: DiskEntry, trim: int) -> list[Any] | None:
+        """One file's caches, cut back by ``trim`` tokens; None if the file is bad
+        (then it is removed, with one log line)."""
+        start = trio.current_time()
+        try:
+            await trio.to_thread.run_sync(self.disk.verify, entry)
+            caches = await self.gpu.call_here(_loaded, entry.path, trim)
+        except (BadFile, ValueError, KeyError, RuntimeError) as exc:
+            why = str(exc) if isinstance(exc, BadFile) else f"it does not load ({exc})"
+            await trio.to_thread.run_sync(self.disk.drop, entry.path, why)
+            self.stats.post(Count(Metric.PROMPT_CACHE_DISK_BAD))
+            self._post_disk()
+            return None
+        self.stats.post(
+            Count(Metric.PROMPT_CACHE_DISK_HITS),
+            Count(Metric.PROMPT_CACHE_DISK_READ_BYTES, entry.nbytes),
+            Observe(Metric.PROMPT_CACHE_DISK_LOAD_TIME, trio.current_time() - start),
+        )
+        return caches
+
+    def _spilled(self) -> None:
+        """Count what memory evicted; queue the entries the disk does not hold."""
+        store = self._store
+        if store.evictions:
+            self.stats.post(Count(Metric.PROMPT_CACHE_EVICTIONS, store.evictions))
+            store.evictions = 0
+        spilled, store.spilled = store.spilled, []
+        for put in spilled:
+            if len(put.tokens) >= PUT_MIN_PROMPT:
+                self._queue_write(put)
+
+    def _queue_write(self, put: Put) -> None:
+        tokens = as_tokens(put.tokens)
+        if self.disk.covered(tokens) or any(p.covers(tokens) for p in self._pending):
+            return
+        job = PendingWrite(tokens, put.caches, put.kind, can_trim_prompt_cache(put.caches))
+        # A longer entry that can be cut back makes a queued prefix of it moot.
+        kept = [p for p in self._pending if not (job.trimmable and job.covers(p.tokens))]
+        self._pending = [*kept, job]
+        while len(self._pending) > disk_cache.MAX_PENDING:
+            self._pending.pop(0)
+            self.stats.post(Count(Metric.PROMPT_CACHE_DISK_DROPPED))
+        self._wake.set()
+
+    async def _writer(self) -> None:
+        """Drain the write queue, one entry at a time: freeze it on the GPU thread
+        (plain KV cut to length, evaluated), write it on a worker thread."""
+        while True:
+            while not self._pending:
+                await self._wake.wait()
+                self._wake = trio.Event()
+            job = self._pending.pop(0)
+            self._writing = True
+            try:
+                await self._write(job)
+            finally:
+                self._writing = False
+                self._post_disk()
+
+    async def _write(self, job: PendingWrite) -> None:
+        disk = self.disk
+        try:
+            frozen = await self.gpu.call_here(disk_cache.freeze, job.caches)
+            if frozen is None or frozen.nbytes > disk.cap:
+                self.stats.post(Count(Metric.PROMPT_CACHE_DISK_DROPPED))
+                return
+            entry = await trio.to_thread.run_sync(disk.write, job.tokens, frozen, job.kind.value)
+        except Exception as exc:  # a full disk, a lost rank: the entry stays in memory only
+            log.warning("prompt cache: could not write an entry to disk: %s", exc)
+            self.stats.post(Count(Metric.PROMPT_CACHE_DISK_DROPPED))
+            return
+        gone = disk.add(entry)
+        await trio.to_thread.run_sync(disk_cache.remove, gone)
+        self.stats.post(
+            Count(Metric.PROMPT_CACHE_DISK_WRITES),
+            Count(Metric.PROMPT_CACHE_DISK_WRITE_BYTES, entry.nbytes),
+            Count(Metric.PROMPT_CACHE_DISK_EVICTIONS, len(gone)),
+        )
+
+    def _post_disk(self) -> None:
+        if self.disk is None:
+            return
+        self.stats.post(
+            Gauge(Metric.PROMPT_CACHE_DISK_ENTRIES, len(self.disk.entries)),
+            Gauge(Metric.PROMPT_CACHE_DISK_BYTES, self.disk.nbytes),
+            Gauge(Metric.PROMPT_CACHE_DISK_CAP, self.disk.cap),
+            Gauge(Metric.PROMPT_CACHE_DISK_PENDING, len(self._pending)),
+        )
+
+    async def flush(self, seconds: float = math.inf) -> bool:
+        """Wait (up to ``seconds``) until every message is handled and every queued
+        write is on disk. False when time ran out."""
+        with trio.move_on_after(seconds):
+            while (self._pending or self._handling or self._writing
+                   or self.inbox.statistics().current_buffer_used):  # fmt: skip
+                await trio.sleep(FLUSH_POLL)
+            return True
+        return False
+
+
+FLUSH_POLL = 0.02
+
+
+def _loaded(path: Any, trim: int) -> list[Any]:
+    """A disk entry's caches, cut back by ``trim`` tokens (GPU thread)."""
+    caches = disk_cache.load(path)
+    if trim:
+        trim_prompt_cache(caches, trim)
+    return caches
 
 
 def _shared_array(a: np.ndarray, b: np.ndarray) -> int:

@@ -222,6 +222,13 @@ class CacheReason(enum.StrEnum):
     SERIAL = "serial"  # not looked up: a request whose lane does not reuse
 
 
+class CacheTier(enum.StrEnum):
+    """Where a prompt's cached prefix came from."""
+
+    MEMORY = "memory"
+    DISK = "disk"  # loaded from the disk tier (disk_cache.py)
+
+
 @attrs.frozen
 class CacheReport:
     """What the prompt cache gave one request, and where it fell short."""
@@ -233,6 +240,7 @@ class CacheReport:
     shared: int = 0
     diverged_at: int | None = None  # first prompt position not reusable (None: full reuse)
     message: int | None = None  # the chat message holding it, where the caller worked it out
+    tier: CacheTier | None = None  # where the reused prefix came from (None: nothing reused)
 
 
 @attrs.frozen

@@ -148,10 +148,19 @@ class EngineSettings:
         help="JSON object of extra arguments for the chat template",
     )  # fmt: skip
     kv_budget: int | str | None = setting(
-        None, converter=_budget, parse=str, shown="no budget",
-        help="KV cache bytes the live rows may project to (e.g. 8G), or auto (device "
-        "memory minus weights and 20%% headroom); rows that do not fit wait in the queue, "
-        "a row that could never fit is refused",
+        "auto", converter=_budget, parse=str,
+        help="KV cache bytes the live rows and the prompt cache share (e.g. 8G); auto is "
+        "device memory minus the weights and 20%% headroom, none is no bound; rows that "
+        "do not fit wait in the queue, a row that could never fit is refused",
+    )  # fmt: skip
+    prompt_cache_dir: str | None = setting(
+        None, shown="~/.cache/mlx-nursery/kv/<model>/<dtype>",
+        help="the prompt cache's disk tier: where entries are kept across restarts",
+    )  # fmt: skip
+    prompt_cache_disk: int | None = setting(
+        None, validator=_at_least(0, optional=True), parse=parse_bytes,
+        shown="10%% of the free disk, at most 16G",
+        help="most bytes the disk tier keeps, e.g. 20G; 0 turns it off",
     )  # fmt: skip
     # Rows waiting for admission beyond this are refused (Overloaded; HTTP 429 with
     # Retry-After). None: QUEUE_PER_SLOT per batch slot.

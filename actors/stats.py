@@ -66,6 +66,33 @@ class Metric(enum.Enum):
     PROMPT_CACHE_HIT_TOKENS = (
         Kind.COUNTER, "prompt_cache_hit_tokens", "Prompt tokens served cached."
     )
+    PROMPT_CACHE_EVICTIONS = (
+        Kind.COUNTER, "prompt_cache_evictions", "Prompt-cache entries evicted from memory."
+    )
+    PROMPT_CACHE_DISK_HITS = (
+        Kind.COUNTER, "prompt_cache_disk_hits", "Prompt-cache takes served from the disk tier."
+    )
+    PROMPT_CACHE_DISK_READ_BYTES = (
+        Kind.COUNTER, "prompt_cache_disk_read_bytes", "Bytes loaded from the disk tier."
+    )
+    PROMPT_CACHE_DISK_WRITES = (
+        Kind.COUNTER, "prompt_cache_disk_writes", "Entries written to the disk tier."
+    )
+    PROMPT_CACHE_DISK_WRITE_BYTES = (
+        Kind.COUNTER, "prompt_cache_disk_write_bytes", "Bytes written to the disk tier."
+    )
+    PROMPT_CACHE_DISK_EVICTIONS = (
+        Kind.COUNTER, "prompt_cache_disk_evictions",
+        "Disk-tier files removed: past the size cap, or held whole by a longer entry.",
+    )  # fmt: skip
+    PROMPT_CACHE_DISK_BAD = (
+        Kind.COUNTER, "prompt_cache_disk_bad_files",
+        "Disk-tier files skipped and removed: truncated, corrupt or another model's.",
+    )  # fmt: skip
+    PROMPT_CACHE_DISK_DROPPED = (
+        Kind.COUNTER, "prompt_cache_disk_dropped",
+        "Entries not written: the write queue was full, the entry over the cap, or a write failed.",
+    )  # fmt: skip
     PREFILLED_TOGETHER = (
         Kind.COUNTER, "prefilled_together", "Rows prefilled in one padded batch."
     )
@@ -86,6 +113,20 @@ class Metric(enum.Enum):
     )
     PROMPT_CACHE_ENTRIES = (Kind.GAUGE, "prompt_cache_entries", "Prompt-cache entries.")
     PROMPT_CACHE_BYTES = (Kind.GAUGE, "prompt_cache_bytes", "Prompt-cache bytes.")
+    PROMPT_CACHE_CEILING = (
+        Kind.GAUGE, "prompt_cache_ceiling_bytes",
+        "Most bytes the prompt cache may hold now: its cap, or what the budget leaves.",
+    )  # fmt: skip
+    PROMPT_CACHE_DISK_ENTRIES = (
+        Kind.GAUGE, "prompt_cache_disk_entries", "Disk-tier entries."
+    )
+    PROMPT_CACHE_DISK_BYTES = (Kind.GAUGE, "prompt_cache_disk_bytes", "Disk-tier bytes.")
+    PROMPT_CACHE_DISK_CAP = (
+        Kind.GAUGE, "prompt_cache_disk_cap_bytes", "The disk tier's size cap (0: off)."
+    )
+    PROMPT_CACHE_DISK_PENDING = (
+        Kind.GAUGE, "prompt_cache_disk_pending", "Entries waiting to be written to disk."
+    )
     KV_PROJECTED_BYTES = (
         Kind.GAUGE, "kv_projected_bytes", "Worst-case KV of the admitted rows."
     )
@@ -96,6 +137,10 @@ class Metric(enum.Enum):
     TIME_TO_FIRST_TOKEN = (Kind.HISTOGRAM, "time_to_first_token_seconds", "Submit to first token.")
     QUEUE_WAIT = (Kind.HISTOGRAM, "queue_wait_seconds", "Submit to admission.")
     STEP_TIME = (Kind.HISTOGRAM, "decode_step_seconds", "GPU time of one continuous-lane step.")
+    PROMPT_CACHE_DISK_LOAD_TIME = (
+        Kind.HISTOGRAM, "prompt_cache_disk_load_seconds",
+        "Time to check and load one disk-tier entry.",
+    )  # fmt: skip
 
     def __init__(self, kind: Kind, exposed: str | None, help: str) -> None:
         self.kind, self.exposed, self.help = kind, exposed, help
@@ -213,6 +258,21 @@ class StatsSnapshot:
     prompt_cache_hits: int
     prompt_cache_misses: int
     prompt_cache_hit_tokens: int
+    prompt_cache_evictions: int  # entries evicted from memory (by count, bytes or budget)
+    prompt_cache_ceiling: int  # most bytes the cache may hold now
+    # the disk tier (all 0 when it is off)
+    prompt_cache_disk_entries: int
+    prompt_cache_disk_bytes: int
+    prompt_cache_disk_cap: int
+    prompt_cache_disk_pending: int
+    prompt_cache_disk_hits: int
+    prompt_cache_disk_read_bytes: int
+    prompt_cache_disk_writes: int
+    prompt_cache_disk_write_bytes: int
+    prompt_cache_disk_evictions: int
+    prompt_cache_disk_bad: int
+    prompt_cache_disk_dropped: int
+    prompt_cache_disk_load_time: HistogramSnapshot
     prefilled_together: int  # rows whose prompts were prefilled as one padded batch
     kv_copied_bytes: int  # KV bytes copied by the batch's joins and leaves
     refilled: int  # joiners written in place over a finished row's retired slot

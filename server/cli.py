@@ -17,7 +17,7 @@ from mlx_nursery.actors.ranks import check_shardable
 
 from . import bench, launch, top
 from .access import exposure_problem
-from .serve import maybe_reexec_with_openblas, serve
+from .serve import exit_now, maybe_reexec_with_openblas, serve
 from .settings import API_KEY_ENV, Settings
 
 
@@ -194,9 +194,7 @@ def serve_rank(settings: Settings, group) -> int:
         except Exception as exc:
             print(f"mlx-nursery rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
             code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code, f"rank {rank} done")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         state = trio.run(lambda: serve(settings, handle_signals=True))
         if state.phase == "failed":
             print(f"mlx-nursery: {state.error}", file=sys.stderr)
-            return 1
+            exit_now(1, "the engine failed")
+        exit_now(0, "shut down")
     elif args.command == "models":
         return list_models(fetch=args.fetch)
     elif args.command == "bench":

@@ -58,6 +58,7 @@ def cache_body(cache: Any) -> dict[str, Any]:
         "shared_tokens": cache.shared,
         "diverged_at": cache.diverged_at,
         "diverged_message": cache.message,
+        "tier": str(cache.tier) if cache.tier is not None else None,
     }
 
 

@@ -5,6 +5,13 @@ server refuses new completions (503) and ``/health`` turns 503; in-flight
 requests get ``drain_seconds`` to finish; the rest are cancelled with a reason,
 each stream still ending in an error event and ``data: [DONE]``; then Hypercorn
 stops.
+
+A server in its own process (the CLI) then ends with ``os._exit``
+(:func:`exit_now`) once logs are flushed (the disk tier flushes as the engine
+closes): a native library's exit handler cannot hang it (OpenBLAS's
+``gotoblas_quit`` joining a BLAS worker that never wakes did, now and then). A
+timer armed at the signal (:func:`arm_exit_deadline`) ends it even if the drain
+itself never returns.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 import trio
 from hypercorn.config import Config
@@ -109,6 +117,8 @@ async def serve(
         log.info(
             "shutting down: draining in-flight requests (up to %.0f s)", settings.drain_seconds
         )
+        if settings.own_process:
+            arm_exit_deadline(settings.drain_seconds + EXIT_GRACE_SECONDS)
         await state.drain(settings.drain_seconds)
 
     async with trio.open_nursery() as nursery:
@@ -120,6 +130,33 @@ async def serve(
         log.info("listening on %s; reachable from %s", ", ".join(urls), reach(settings))
         task_status.started((urls, state))
     return state
+
+
+# After the drain: the engine's close (rows' terminal events, the disk tier's
+# pending writes), Hypercorn's own stop, and the GPU thread's last call.
+EXIT_GRACE_SECONDS = 15.0
+
+
+def exit_now(code: int, why: str) -> None:
+    """End the process at once: flush the logs and stdio, then ``os._exit``,
+    which runs no native exit handler (a hang there is what this avoids)."""
+    log.info("exiting (%s), code %d", why, code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def arm_exit_deadline(seconds: float) -> threading.Timer:
+    """End the process ``seconds`` from now whatever is still running: the last
+    resort if the drain or the engine's close never returns."""
+    timer = threading.Timer(seconds, exit_now, (1, f"shutdown took over {seconds:.0f} s"))
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 async def _signals(scope: trio.CancelScope) -> None:

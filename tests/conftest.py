@@ -70,6 +70,13 @@ def _gpu_threads() -> list[threading.Thread]:
 
 
 @pytest.fixture(autouse=True)
+def own_disk_tier(tmp_path, monkeypatch):
+    """Each test's engines and servers keep the prompt cache's disk tier in a
+    folder of the test's own: nothing one test wrote serves another."""
+    monkeypatch.setenv("MLX_NURSERY_KV_DIR", str(tmp_path / "kv"))
+
+
+@pytest.fixture(autouse=True)
 def nothing_lost_nothing_leaked():
     _SETTLED.clear()
     yield

@@ -60,6 +60,7 @@ async def test_a_changed_character_names_the_position_and_message_and_the_same_p
             again = await ask(chat(SYSTEM), "agent-a-2", stream=True)
             assert again["prompt_cache"]["reason"] == "full"
             assert again["prompt_cache"]["diverged_at"] is None
+            assert again["prompt_cache"]["tier"] == "memory"
             assert again["prompt_tokens_details"]["cached_tokens"] == len(ids[0]) - 1
 
             other = await ask(chat(changed), "agent-b-1")
@@ -70,6 +71,7 @@ async def test_a_changed_character_names_the_position_and_message_and_the_same_p
                 "shared_tokens": where,
                 "diverged_at": where,
                 "diverged_message": 0,  # the system message
+                "tier": "memory",
             }
             assert other["prompt_tokens_details"]["cached_tokens"] == where
 
