@@ -119,20 +119,24 @@ async def open_tier(
     import trio
 
     identity, dtype = await gpu.call_here(model_identity, model)
-    root = Path(folder).expanduser() if folder else default_dir(model_id, dtype)
     try:
-        if cap is None:
-            cap = await trio.to_thread.run_sync(default_cap, root)
-        tier = DiskTier(root, identity, cap)
-        await trio.to_thread.run_sync(tier.scan)
-        await trio.to_thread.run_sync(remove, tier.over_cap())
+        tier = await trio.to_thread.run_sync(_open, folder, model_id, dtype, identity, cap)
     except OSError as exc:
-        log.warning("prompt cache: no disk tier, %s cannot be used: %s", root, exc)
+        log.warning("prompt cache: no disk tier, %s cannot be used: %s", folder, exc)
         return None
     log.info(
         "prompt cache: disk tier at %s, %d entries, %.1f of %.1f GB",
-        root, len(tier.entries), tier.nbytes / 1e9, cap / 1e9,
+        tier.root, len(tier.entries), tier.nbytes / 1e9, tier.cap / 1e9,
     )  # fmt: skip
+    return tier
+
+
+def _open(folder: str | None, model_id: str, dtype: str, identity: str, cap: int | None
+          ) -> DiskTier:  # fmt: skip
+    root = Path(os.path.expanduser(folder)) if folder else default_dir(model_id, dtype)
+    tier = DiskTier(root, identity, default_cap(root) if cap is None else cap)
+    tier.scan()
+    remove(tier.over_cap())
     return tier
 
 

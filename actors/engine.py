@@ -64,6 +64,7 @@ class Engine:
     _to_admission: trio.MemorySendChannel
     _admission: Admission  # read only: its refusal, before a row is built
     _gpu: Gpu
+    _cache_actor: PromptCacheActor | None = None
     _closed: bool = False
     # Submitted rows, for `live`; a row drops out once nothing else holds it.
     _live: weakref.WeakValueDictionary = attrs.field(factory=weakref.WeakValueDictionary)
@@ -190,6 +191,18 @@ class Engine:
         """Wait until no row is queued, admitted or decoding, and every figure is in."""
         await self.stats_actor.wait_for(_idle)
 
+    async def flush_prompt_cache(self, seconds: float = math.inf) -> bool:
+        """Wait (up to ``seconds``) until no row runs, the prompt cache has taken
+        every ended row's entry, its disk tier has written every queued one, and
+        every figure is in. False when time ran out."""
+        with trio.move_on_after(seconds):
+            await self.wait_idle()
+            if self._cache_actor is not None:
+                await self._cache_actor.flush()
+            await self.stats_actor.wait_for(lambda s: True)
+            return True
+        return False
+
     async def close(self, reason: str = "the engine is shutting down") -> None:
         """Stop taking requests, cancel every queued and running row (each gets its
         terminal event, ``cancelled`` with ``reason``) and wait until all have ended."""
@@ -304,9 +317,11 @@ async def open_engine(
             actors.append(RankWatch(gpu.replica, gpu))
         ll_tok = await gpu.call_here(ll_tokenizer, tokenizer, info.vocab_size)
         intake = Intake(tokenizer, info, settings, budget, ll_tok)
+        cache_actor = next((a for a in actors if isinstance(a, PromptCacheActor)), None)
         engine = Engine(
-            loaded, tokenizer, info, settings, intake, stats, to_admission, admitter, gpu
-        )
+            loaded, tokenizer, info, settings, intake, stats, to_admission, admitter, gpu,
+            cache_actor,
+        )  # fmt: skip
         async with _running(actors) as actors_scope:
             try:
                 yield engine
@@ -314,7 +329,8 @@ async def open_engine(
                 with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_GRACE_SECONDS):
                     await engine.close()
                 with trio.CancelScope(shield=True):
-                    await _flush(actors)
+                    if cache_actor and not await cache_actor.flush(DISK_FLUSH_SECONDS):
+                        log.warning("prompt cache: shut down with disk writes still queued")
                 actors_scope.cancel()
     finally:
         await gpu.stop()
@@ -394,14 +410,6 @@ def _wire(
         if box is not None:
             box.send.close()
     return actors, adm.send, admitter
-
-
-async def _flush(actors: list[Any]) -> None:
-    """Give the disk tier's queued writes a few seconds to land."""
-    for actor in actors:
-        if isinstance(actor, PromptCacheActor) and actor.disk is not None:
-            if not await actor.flush(DISK_FLUSH_SECONDS):
-                log.warning("prompt cache: shut down with disk writes still queued")
 
 
 @asynccontextmanager

@@ -249,6 +249,7 @@ class PromptCacheActor:
     _wake: trio.Event = attrs.field(factory=trio.Event, init=False)  # a write was queued
     _handling: bool = attrs.field(default=False, init=False)  # a message in hand
     _writing: bool = attrs.field(default=False, init=False)  # a write in hand
+    _moved: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each
 
     def __attrs_post_init__(self) -> None:
         self._store = Store(max_size=self.max_entries, max_bytes=self.max_bytes)
@@ -266,6 +267,7 @@ class PromptCacheActor:
                     self._handling = True
                     await self.dispatch(message)
                     self._handling = False
+                    self._step()
                     self.stats.post(
                         Gauge(Metric.PROMPT_CACHE_ENTRIES, len(self._store)),
                         Gauge(Metric.PROMPT_CACHE_BYTES, self._store.nbytes),
@@ -386,6 +388,7 @@ class PromptCacheActor:
             finally:
                 self._writing = False
                 self._post_disk()
+                self._step()
 
     async def _write(self, job: PendingWrite) -> None:
         disk = self.disk
@@ -417,18 +420,19 @@ class PromptCacheActor:
             Gauge(Metric.PROMPT_CACHE_DISK_PENDING, len(self._pending)),
         )
 
+    def _step(self) -> None:
+        self._moved.set()
+        self._moved = trio.Event()
+
     async def flush(self, seconds: float = math.inf) -> bool:
         """Wait (up to ``seconds``) until every message is handled and every queued
-        write is on disk. False when time ran out."""
+        write is on disk. False when time ran out (True at once without a disk)."""
         with trio.move_on_after(seconds):
             while (self._pending or self._handling or self._writing
                    or self.inbox.statistics().current_buffer_used):  # fmt: skip
-                await trio.sleep(FLUSH_POLL)
+                await self._moved.wait()
             return True
         return False
-
-
-FLUSH_POLL = 0.02
 
 
 def _loaded(path: Any, trim: int) -> list[Any]:

@@ -16,6 +16,7 @@ itself never returns.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
 import glob
 import logging
@@ -143,10 +144,8 @@ def exit_now(code: int, why: str) -> None:
     log.info("exiting (%s), code %d", why, code)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 

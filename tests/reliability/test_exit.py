@@ -1,0 +1,65 @@
+"""The server always exits: SIGTERM right after a long request, many times.
+
+Run as users run it: ``mlx-nursery serve`` re-executes itself with OpenBLAS
+preloaded (where installed), the BLAS whose exit handler once hung the process
+after "draining in-flight requests". After the drain the server ends with
+``os._exit`` once its logs and the disk tier are flushed, and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import trio
+from conftest import SERVER_TIMEOUT, free_port, model_path, wait_healthy
+
+pytestmark = pytest.mark.slow
+
+RUNS = 20
+EXIT_WITHIN = 10.0  # seconds from SIGTERM to the process gone
+LONG_PROMPT = "The harbour keeps forty lanterns and a map of the coast. " * 36  # ~2k tokens
+
+
+async def serve_answer_and_terminate(log_path) -> tuple[float, int, str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MLX_NURSERY_OPENBLAS")}
+    argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--port", str(port),
+            "--model", str(model_path("llama")), "--log-level", "INFO"]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, env=env, stderr=log)  # noqa: ASYNC220
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+                with trio.fail_after(SERVER_TIMEOUT):
+                    await wait_healthy(c, proc, lambda: log_path.read_text()[-2000:])
+                body = {"model": "llama", "prompt": LONG_PROMPT, "max_tokens": 128}
+                response = await c.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+            proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            try:
+                code = await trio.to_thread.run_sync(proc.wait, EXIT_WITHIN)
+            except subprocess.TimeoutExpired:
+                code = None
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return took, code, log_path.read_text()
+
+
+async def test_sigterm_right_after_a_long_request_always_exits(tmp_path):
+    for run in range(RUNS):
+        took, code, log = await serve_answer_and_terminate(tmp_path / f"server-{run}.log")
+        assert code == 0, f"run {run}: still running {took:.1f} s after SIGTERM\n{log[-3000:]}"
+        assert took < EXIT_WITHIN
+        assert "got SIGTERM" in log
+        assert "exiting (shut down), code 0" in log, log[-3000:]
+        if run == 0:
+            assert "OpenBLAS" in log or "bundled reference BLAS" in log  # run as users run it

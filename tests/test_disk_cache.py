@@ -1,0 +1,157 @@
+"""The prompt cache's disk tier: entries survive a restart, bad files are skipped
+and removed, and both tiers stay inside their bounds (``docs/prompt-cache.md``)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+from conftest import checked_engine, loaded
+
+from mlx_nursery.actors import CacheTier
+from mlx_nursery.actors.disk_cache import LONG_PREFIX, SUFFIX, read_header
+
+LONG = LONG_PREFIX + 200  # written to disk as soon as it is put
+
+
+def prompt_of(seed: int, n: int = LONG) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+def files(folder: Path) -> list[Path]:
+    return sorted(folder.rglob(f"*{SUFFIX}"))
+
+
+async def answer(prompt: list[int], **settings):
+    async with checked_engine("llama", **settings) as engine:
+        result = await engine.generate(prompt, max_tokens=12)
+        assert await engine.flush_prompt_cache()
+        return result, engine.stats()
+
+
+async def test_a_restart_serves_the_same_prompt_from_disk(tmp_path):
+    folder = tmp_path / "tier"
+    prompt = prompt_of(1)
+    cold, stats = await answer(prompt, prompt_cache_dir=str(folder))
+    assert cold.usage.cached_tokens == 0
+    assert stats.prompt_cache_disk_writes == 1 and stats.prompt_cache_disk_entries == 1
+    (written,) = files(folder)
+    meta, size = read_header(written)
+    assert meta["format"] == "mlx-nursery-kv/1" and size == written.stat().st_size
+
+    warm, stats = await answer(prompt, prompt_cache_dir=str(folder))  # a new engine
+    assert warm.text == cold.text and warm.tokens == cold.tokens
+    assert warm.usage.cached_tokens == len(prompt) - 1
+    assert warm.usage.cache.tier is CacheTier.DISK
+    assert stats.prompt_cache_disk_hits == 1
+    assert stats.prompt_cache_disk_read_bytes == written.stat().st_size
+    assert stats.prompt_cache_disk_load_time.count == 1
+
+    # A prompt that shares only a prefix reuses it (the entry is cut back).
+    longer = prompt[:900] + prompt_of(2, 300)
+    fresh, _ = await answer(longer, prompt_cache_disk=0)
+    reused, _ = await answer(longer, prompt_cache_dir=str(folder))
+    assert reused.usage.cached_tokens == 900 and reused.usage.cache.tier is CacheTier.DISK
+    assert reused.tokens == fresh.tokens
+
+
+async def test_truncated_corrupt_and_other_models_files_are_skipped_and_removed(
+    tmp_path, caplog
+):
+    folder = tmp_path / "tier"
+    prompt = prompt_of(1)
+    cold, _ = await answer(prompt, prompt_cache_dir=str(folder))
+    assert cold.tokens  # (a row that ends at its first token leaves no entry)
+    (good,) = files(folder)
+    data = good.read_bytes()
+    truncated = folder / f"0000000000000000-{'a' * 32}{SUFFIX}"
+    truncated.write_bytes(data[: len(data) // 2])
+    flipped = bytearray(data)
+    for i in range(len(data) - 4000, len(data), 97):  # in the KV, past the header
+        flipped[i] ^= 0xFF
+    good.write_bytes(bytes(flipped))  # same name: its checksum no longer matches
+    garbage = folder / f"1111111111111111-{'b' * 32}{SUFFIX}"
+    garbage.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+
+    # Another model's entry, copied into this model's folder.
+    async with checked_engine("qwen3", prompt_cache_dir=str(tmp_path / "other")) as other:
+        await other.generate(prompt_of(4), max_tokens=2)
+        assert await other.flush_prompt_cache()
+    (theirs,) = files(tmp_path / "other")
+    foreign = folder / theirs.name
+    foreign.write_bytes(theirs.read_bytes())
+
+    caplog.set_level(logging.WARNING, logger="mlx_nursery.engine")
+    again, stats = await answer(prompt, prompt_cache_dir=str(folder))
+    assert again.tokens == cold.tokens  # computed afresh, the same answer
+    assert again.usage.cache.tier is None
+    assert stats.prompt_cache_disk_bad == 1  # the corrupt one, found at load
+    removed = [r.getMessage() for r in caplog.records if "prompt cache: removed" in r.getMessage()]
+    assert len(removed) == 4, removed  # one line per file
+    assert any("another model" in m for m in removed)
+    assert any("truncated" in m for m in removed)
+    assert any("checksum" in m for m in removed)
+    assert any("does not parse" in m for m in removed)
+    for path in (truncated, garbage, foreign):
+        assert not path.exists()
+    # The answer's own entry, written afresh: the same bytes as the first time.
+    assert files(folder) == [good] and good.read_bytes() == data
+
+
+@pytest.mark.slow
+async def test_thirty_distinct_long_prompts_stay_inside_both_bounds(tmp_path):
+    folder = tmp_path / "tier"
+    entry = 2_000_000  # bytes: about one entry of this model at LONG tokens, rounded up
+    memory, disk = 3 * entry, 5 * entry
+    async with checked_engine(
+        "llama", prompt_cache_dir=str(folder), prompt_cache_bytes=memory,
+        prompt_cache_disk=disk,
+    ) as engine:  # fmt: skip
+        for i in range(30):
+            await engine.generate(prompt_of(100 + i), max_tokens=4)
+            assert await engine.flush_prompt_cache()
+            stats = engine.stats()
+            on_disk = sum(p.stat().st_size for p in files(folder))
+            assert stats.prompt_cache_bytes <= memory
+            assert stats.prompt_cache_disk_bytes == on_disk <= disk
+        assert stats.prompt_cache_evictions > 0 and stats.prompt_cache_disk_evictions > 0
+        assert stats.prompt_cache_disk_writes == 30
+        # The newest entries are the ones kept, and the tier still serves them.
+        last = await engine.generate(prompt_of(129), max_tokens=4)
+        assert last.usage.cached_tokens == LONG - 1
+
+
+async def test_evicted_entries_are_written_and_memory_misses_load_them(tmp_path):
+    """An entry shorter than a long prefix reaches the disk when memory lets it go."""
+    folder = tmp_path / "tier"
+    short = [prompt_of(200 + i, 300) for i in range(3)]
+    async with checked_engine(
+        "llama", prompt_cache_dir=str(folder), prompt_cache_size=1
+    ) as engine:  # fmt: skip
+        first = await engine.generate(short[0], max_tokens=4)
+        for prompt in short[1:]:
+            await engine.generate(prompt, max_tokens=4)
+        assert await engine.flush_prompt_cache()
+        stats = engine.stats()
+        assert stats.prompt_cache_evictions == 2 and stats.prompt_cache_disk_writes == 2
+        again = await engine.generate(short[0], max_tokens=4)
+        assert again.usage.cache.tier is CacheTier.DISK
+        assert again.usage.cached_tokens == len(short[0]) - 1
+        assert again.tokens == first.tokens
+
+
+async def test_the_disk_tier_is_off_at_zero_and_the_budget_is_auto_by_default(tmp_path):
+    async with checked_engine("llama", prompt_cache_disk=0) as engine:
+        await engine.generate(prompt_of(5), max_tokens=2)
+        assert await engine.flush_prompt_cache()
+        stats = engine.stats()
+    assert stats.prompt_cache_disk_cap == 0 and stats.prompt_cache_disk_writes == 0
+    assert not files(tmp_path)
+    assert stats.kv_budget_bytes and stats.kv_budget_bytes > 0  # auto
+    assert 0 < stats.prompt_cache_ceiling <= stats.kv_budget_bytes
+    model, _ = loaded("llama")
+    async with checked_engine((model, loaded("llama")[1]), kv_budget="none") as engine:
+        assert engine.stats().kv_budget_bytes is None
