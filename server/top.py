@@ -75,9 +75,18 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None) -> Group:
     )
     hits, misses = s["prompt_cache_hits"], s["prompt_cache_misses"]
     rate = f"{100 * hits / (hits + misses):.0f}%" if hits + misses else "-"
+    disk = s.get("prompt_cache_disk_cap") or 0
     cache = Text(
         f"prompt cache: {s['prompt_cache_entries']} entries, hit rate {rate}, "
-        f"{s['prompt_cache_hit_tokens']} prompt tokens saved"
+        f"{s['prompt_cache_hit_tokens']} prompt tokens saved, "
+        f"{s['prompt_cache_evictions']} evicted; disk "
+        + (
+            f"{s['prompt_cache_disk_entries']} entries {_bytes(s['prompt_cache_disk_bytes'])}"
+            f" of {_bytes(disk)}, {s['prompt_cache_disk_hits']} hits, "
+            f"{s['prompt_cache_disk_writes']} writes"
+            if disk
+            else "off"
+        )
     )
     rows = Table(title="live rows", expand=True)
     for col in ("row", "request id", "lane", "phase", "prompt", "cached", "tokens", "tok/s",

@@ -75,6 +75,11 @@ async def test_the_dashboard_shows_the_live_rows_and_updates_without_console_err
     assert len(rows) == live, "one table row per live row of that snapshot"
     assert active >= 6 and after["active_rows"] >= 6, (active, after["active_rows"])
     assert "agent-" in dom, "rows show their client's request id"
+    # the memory and disk tiers' figures are filled in (the disk tier is on by default)
+    for card in ("pc-evicted", "pd-entries", "pd-hits", "pd-io"):
+        shown = re.search(rf'id="{card}">([^<]*)<', dom).group(1)
+        assert shown not in ("", "–", "off"), (card, shown)
+    assert re.search(r'id="pd-bytes">[^<]+ / [^<]+<', dom)
     console = [line for line in done.stderr.decode().splitlines() if ":CONSOLE" in line
                or "Uncaught" in line]  # fmt: skip
     assert not console, console

@@ -3,12 +3,15 @@ and removed, and both tiers stay inside their bounds (``docs/prompt-cache.md``).
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
 
+import httpx
 import pytest
-from conftest import checked_engine, loaded
+import trio
+from conftest import ROOT, checked_engine, loaded, model_path, server_process
 
 from mlx_nursery.actors import CacheTier
 from mlx_nursery.actors.disk_cache import LONG_PREFIX, SUFFIX, read_header
@@ -155,3 +158,87 @@ async def test_the_disk_tier_is_off_at_zero_and_the_budget_is_auto_by_default(tm
     model, _ = loaded("llama")
     async with checked_engine((model, loaded("llama")[1]), kv_budget="none") as engine:
         assert engine.stats().kv_budget_bytes is None
+
+
+async def ask_streaming(url: str, body: dict) -> tuple[float, str, dict]:
+    """Time to the first content chunk, the text, and the usage."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    text, usage, first = "", None, None
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        start = trio.current_time()
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk["choices"]:
+                    if choice["delta"].get("content"):
+                        first = first or trio.current_time() - start
+                        text += choice["delta"]["content"]
+    return first, text, usage
+
+
+async def test_a_restarted_server_answers_from_the_disk_tier(tmp_path):
+    """`serve` as users start it, twice: /stats shows the budget and both tiers,
+    and the second process serves the first one's prompt from disk."""
+    body = {"model": "llama", "max_tokens": 16,
+            "messages": [{"role": "user", "content": "lanterns by the harbour " * 60}]}  # fmt: skip
+    answers = []
+    for _ in range(2):
+        async with server_process("--model", str(model_path("llama"))) as (url, _):
+            answers.append(await ask_streaming(url, body))
+            async with httpx.AsyncClient(base_url=url) as client:
+                stats = (await client.get("/stats")).json()
+                metrics = (await client.get("/metrics")).text
+    (_, cold, _), (_, warm, usage) = answers
+    assert warm == cold
+    assert usage["prompt_cache"]["tier"] == "disk"
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    assert stats["kv_budget_bytes"] > 0 and stats["prompt_cache_disk_cap"] > 0
+    assert stats["prompt_cache_disk_hits"] == 1
+    assert "mlx_nursery_prompt_cache_disk_hits_total 1.0" in metrics
+    assert "mlx_nursery_prompt_cache_disk_load_seconds_count 1.0" in metrics
+
+
+def agent_messages(tokens: int, tokenizer) -> list[dict]:
+    """An agent-like request of about ``tokens`` tokens: a system prompt made of
+    this repository's own docs (prose, tables, code), then one user turn."""
+    text = ""
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        text += doc.read_text() + "\n"
+        if len(tokenizer.encode(text)) > tokens:
+            break
+    ids = tokenizer.encode(text)[:tokens]
+    system = tokenizer.decode(ids)
+    question = "Which command starts the server? Answer in one sentence."
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+@pytest.mark.real
+@pytest.mark.slow
+async def test_smollm2_serves_a_6k_agent_prompt_from_disk_after_a_restart():
+    """The issue's check: default `serve` (SmolLM2, float32 on CPU), a ~6k-token
+    agent prompt, a restart, the same prompt at a tenth of the cold TTFT or less."""
+    from test_real_models import smollm2
+
+    _, tokenizer = smollm2()
+    body = {"model": "default", "max_tokens": 24, "messages": agent_messages(6000, tokenizer)}
+    runs = []
+    for _ in range(2):
+        async with server_process(openblas=True) as (url, _):
+            async with httpx.AsyncClient(base_url=url) as client:
+                stats = (await client.get("/stats")).json()
+            assert stats["kv_budget_bytes"] > 0
+            runs.append(await ask_streaming(url, body))
+    (cold_ttft, cold, cold_usage), (warm_ttft, warm, usage) = runs
+    print(f"\n6k agent prompt ({usage['prompt_tokens']} tokens): cold TTFT {cold_ttft:.2f} s, "
+          f"after a restart {warm_ttft:.2f} s ({warm_ttft / cold_ttft:.3f}x)")  # fmt: skip
+    assert cold_usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usage["prompt_tokens"] >= 5500
+    assert usage["prompt_cache"]["tier"] == "disk"
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
+    assert warm == cold
+    assert warm_ttft <= 0.1 * cold_ttft
