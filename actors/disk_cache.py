@@ -19,7 +19,9 @@ under ``<root>/<model>/<dtype>/``. What is ours, and why:
 The index is the event loop's (one owner, the prompt-cache actor); file work
 runs on worker threads, and the only mlx work (freezing an entry before a write,
 loading one) runs on the GPU thread. Writes never wait on the GPU thread: the
-actor queues them and one writer task drains the queue.
+actor queues them and one writer task drains the queue, writing a long entry
+``WRITE_DELAY`` seconds after its put unless the conversation's next turn
+supersedes it first (a flush, at shutdown, writes everything queued at once).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ KV_DIR_ENV = "MLX_NURSERY_KV_DIR"  # the disk tier's root (default: <cache>/kv)
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
 
-# An entry with at least this many tokens is written as soon as it is put (a
+# An entry with at least this many tokens is written soon after it is put (a
 # long prefix is worth keeping across restarts); shorter ones are written when
 # memory evicts them.
 LONG_PREFIX = 1024
@@ -58,8 +60,12 @@ LONG_PREFIX = 1024
 # DEFAULT_DISK_MAX.
 DEFAULT_DISK_SHARE = 0.10
 DEFAULT_DISK_MAX = 16 << 30
+# A long entry is written this many seconds after its put, unless a longer entry
+# of the same conversation supersedes it first: an agent taking a turn every few
+# seconds is written once it pauses (or at shutdown), not at every turn.
+WRITE_DELAY = 10.0
 # Writes waiting beyond this are dropped, oldest first (each holds its KV alive).
-MAX_PENDING = 4
+MAX_PENDING = 8
 _MAX_HEADER = 64 << 20
 
 

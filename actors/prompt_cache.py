@@ -230,6 +230,7 @@ class PendingWrite:
     caches: list[Any] = attrs.field(repr=False)
     kind: EntryKind
     trimmable: bool
+    due: float  # trio time: written no sooner (a longer entry may supersede it first)
 
     def covers(self, tokens: np.ndarray) -> bool:
         return holds(self.tokens, self.trimmable, tokens)
@@ -247,6 +248,7 @@ class PromptCacheActor:
     _ceiling: int = attrs.field(init=False)  # the budget's share, lowered by Trim
     _pending: list[PendingWrite] = attrs.field(factory=list, init=False)  # disk writes
     _wake: trio.Event = attrs.field(factory=trio.Event, init=False)  # a write was queued
+    _hurry: bool = attrs.field(default=False, init=False)  # flushing: every write is due
     _handling: bool = attrs.field(default=False, init=False)  # a message in hand
     _writing: bool = attrs.field(default=False, init=False)  # a write in hand
     _moved: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each
@@ -294,7 +296,7 @@ class PromptCacheActor:
                 with contextlib.suppress(RanksLost):
                     await self.gpu.call(self._store.put, tokens, caches, kind, self._ceiling)
                 if self.disk is not None and len(tokens) >= disk_cache.LONG_PREFIX:
-                    self._queue_write(message)
+                    self._queue_write(message, disk_cache.WRITE_DELAY)
                 self._spilled()
             case Trim(max_bytes):
                 self._ceiling = min(self.max_bytes, max(0, max_bytes))
@@ -361,11 +363,12 @@ class PromptCacheActor:
             if len(put.tokens) >= PUT_MIN_PROMPT:
                 self._queue_write(put)
 
-    def _queue_write(self, put: Put) -> None:
+    def _queue_write(self, put: Put, delay: float = 0.0) -> None:
         tokens = as_tokens(put.tokens)
         if self.disk.covered(tokens) or any(p.covers(tokens) for p in self._pending):
             return
-        job = PendingWrite(tokens, put.caches, put.kind, can_trim_prompt_cache(put.caches))
+        trimmable = can_trim_prompt_cache(put.caches)
+        job = PendingWrite(tokens, put.caches, put.kind, trimmable, trio.current_time() + delay)
         # A longer entry that can be cut back makes a queued prefix of it moot.
         kept = [p for p in self._pending if not (job.trimmable and job.covers(p.tokens))]
         self._pending = [*kept, job]
@@ -375,13 +378,14 @@ class PromptCacheActor:
         self._wake.set()
 
     async def _writer(self) -> None:
-        """Drain the write queue, one entry at a time: freeze it on the GPU thread
-        (plain KV cut to length, evaluated), write it on a worker thread."""
+        """Drain the write queue, one due entry at a time: freeze it on the GPU
+        thread (plain KV cut to length, evaluated), write it on a worker thread."""
         while True:
-            while not self._pending:
-                await self._wake.wait()
-                self._wake = trio.Event()
-            job = self._pending.pop(0)
+            job = self._next_due()
+            if job is None:
+                await self._nudged()
+                continue
+            self._pending.remove(job)
             self._writing = True
             try:
                 await self._write(job)
@@ -389,6 +393,19 @@ class PromptCacheActor:
                 self._writing = False
                 self._post_disk()
                 self._step()
+
+    def _next_due(self) -> PendingWrite | None:
+        if not self._pending:
+            return None
+        job = min(self._pending, key=lambda p: p.due)
+        return job if self._hurry or job.due <= trio.current_time() else None
+
+    async def _nudged(self) -> None:
+        """Wait for a new write, a flush, or the next write falling due."""
+        due = min((p.due for p in self._pending), default=math.inf)
+        with trio.move_on_at(due):
+            await self._wake.wait()
+        self._wake = trio.Event()
 
     async def _write(self, job: PendingWrite) -> None:
         disk = self.disk
@@ -427,12 +444,17 @@ class PromptCacheActor:
     async def flush(self, seconds: float = math.inf) -> bool:
         """Wait (up to ``seconds``) until every message is handled and every queued
         write is on disk. False when time ran out (True at once without a disk)."""
-        with trio.move_on_after(seconds):
-            while (self._pending or self._handling or self._writing
-                   or self.inbox.statistics().current_buffer_used):  # fmt: skip
-                await self._moved.wait()
-            return True
-        return False
+        self._hurry = True
+        self._wake.set()
+        try:
+            with trio.move_on_after(seconds):
+                while (self._pending or self._handling or self._writing
+                       or self.inbox.statistics().current_buffer_used):  # fmt: skip
+                    await self._moved.wait()
+                return True
+            return False
+        finally:
+            self._hurry = False
 
 
 def _loaded(path: Any, trim: int) -> list[Any]:

@@ -12,7 +12,6 @@ import httpx
 import pytest
 import trio
 from conftest import ROOT, checked_engine, loaded, model_path, server_process
-
 from mlx_nursery.actors import CacheTier
 from mlx_nursery.actors.disk_cache import LONG_PREFIX, SUFFIX, read_header
 
@@ -61,9 +60,7 @@ async def test_a_restart_serves_the_same_prompt_from_disk(tmp_path):
     assert reused.tokens == fresh.tokens
 
 
-async def test_truncated_corrupt_and_other_models_files_are_skipped_and_removed(
-    tmp_path, caplog
-):
+async def test_truncated_corrupt_and_other_models_files_are_skipped_and_removed(tmp_path, caplog):
     folder = tmp_path / "tier"
     prompt = prompt_of(1)
     cold, _ = await answer(prompt, prompt_cache_dir=str(folder))

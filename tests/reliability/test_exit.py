@@ -31,7 +31,7 @@ async def serve_answer_and_terminate(log_path) -> tuple[float, int, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MLX_NURSERY_OPENBLAS")}
     argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--port", str(port),
             "--model", str(model_path("llama")), "--log-level", "INFO"]  # fmt: skip
-    with open(log_path, "wb") as log:
+    with open(log_path, "wb") as log:  # noqa: ASYNC230 (a child process writes it)
         proc = subprocess.Popen(argv, env=env, stderr=log)  # noqa: ASYNC220
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
