@@ -89,6 +89,7 @@ bench: install openblas
 	$(BIN)/python bench/benchsuite.py --real $(if $(PEERS),--peers)
 	$(BIN)/python bench/benchsuite.py --scale-out
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --overload
+	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --real --restart --repeats 2
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
 # prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.

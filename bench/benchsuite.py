@@ -26,6 +26,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from importlib import metadata
@@ -903,6 +904,54 @@ def scale_out(models: list[tuple[str, str, list[int]]]) -> None:
 HEALTH_TARGET = 0.020  # /health p99 under the storm (issue 11)
 
 
+RESTART_TOKENS = 4000  # an agent's context (Codex's first request is ~6k)
+
+
+def restart_ttft(server: Server, prompt: str) -> tuple[float, float]:
+    """TTFT of one agent prompt, cold, then again from a restarted process."""
+    out = []
+    for _ in range(2):
+        with server:
+
+            async def ask():
+                async with httpx.AsyncClient(base_url=server.url, timeout=900) as client:
+                    return await _ttft(client, prompt)
+
+            out.append(trio.run(ask))
+    return out[0], out[1]
+
+
+def restart(models: list[tuple[str, str]], tokens: int, repeats: int) -> None:
+    """An agent prompt of ``tokens`` tokens, cold and after a restart: ours (the
+    disk tier on by default, in a fresh folder) against ``mlx_lm.server``."""
+    rows = []
+    for label, model in models:
+        from mlx_lm import load as mlx_load
+
+        _, tokenizer = mlx_load(model)
+        prompt = shared_prefix_prompts(tokenizer, tokens, agents=1)[0]
+        figures = {"ours": [], "mlx_lm.server": []}
+        for r in range(repeats):
+            with tempfile.TemporaryDirectory() as kv:
+                ours, theirs = both_servers(model)
+                ours.env = {"MLX_NURSERY_KV_DIR": kv}
+                figures["ours"].append(restart_ttft(ours, f"{prompt} ({r})"))
+                figures["mlx_lm.server"].append(restart_ttft(theirs, f"{prompt} ({r})"))
+        for name, runs in figures.items():
+            cold = statistics.median(c for c, _ in runs)
+            warm = statistics.median(w for _, w in runs)
+            rows.append(f"| {label} | {name} | {cold:.2f} | {warm:.2f} | {warm / cold:.3f} |")
+        print(rows[-2], rows[-1], sep="\n", flush=True)
+    body = (
+        f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; float32; one agent prompt of "
+        f"~{tokens} tokens (a 16-token answer), TTFT in a fresh process, then again after "
+        f"SIGTERM and a new start; medians of {repeats} runs (a new prompt each).\n\n"
+        "| model | server | TTFT cold (s) | TTFT after a restart (s) | ratio |\n"
+        "| --- | --- | --- | --- | --- |\n" + "\n".join(rows)
+    )
+    _write_section("restart", body)
+
+
 def storm_figures(result) -> dict:
     statuses = [a.status for a in result.answers]
     return {
@@ -1017,6 +1066,12 @@ def main() -> int:
         "of 8, against mlx_lm.server (the golden llama and --model); writes "
         "docs/reliability.md",
     )
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="only the restart: an agent prompt's TTFT cold and after a restart, against "
+        "mlx_lm.server (--model, and SmolLM2 with --real)",
+    )
     parser.add_argument("--tp-rank", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tp_rank:  # one rank of mlx_lm_tp, under the launcher
@@ -1048,6 +1103,12 @@ def main() -> int:
         if args.model:
             models.append(("bench-llama-30m", args.model))
         overload(models, args.repeats)
+        return 0
+    if args.restart:
+        models = [("bench-llama-30m", args.model)] if args.model else []
+        if args.real:
+            models.append(("SmolLM2-135M-Instruct", str(float32_copy(fetch(DEFAULT)))))
+        restart(models, RESTART_TOKENS, args.repeats)
         return 0
     if args.real:
         args.model = str(float32_copy(fetch(DEFAULT)))
