@@ -945,7 +945,7 @@ def restart(models: list[tuple[str, str]], tokens: int, repeats: int) -> None:
     body = (
         f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; float32; one agent prompt of "
         f"~{tokens} tokens (a 16-token answer), TTFT in a fresh process, then again after "
-        f"SIGTERM and a new start; medians of {repeats} runs (a new prompt each).\n\n"
+        f"SIGTERM and a new start; {repeats} run(s), medians (a new prompt each).\n\n"
         "| model | server | TTFT cold (s) | TTFT after a restart (s) | ratio |\n"
         "| --- | --- | --- | --- | --- |\n" + "\n".join(rows)
     )
