@@ -25,7 +25,7 @@ from .request import (
     TopLogprob,
     Usage,
 )
-from .row import RowView
+from .row import RowView, SessionView
 from .settings import EngineSettings
 from .stats import HistogramSnapshot, StatsSnapshot
 from .stream import RequestStream
@@ -52,6 +52,7 @@ __all__ = [
     "Result",
     "RowView",
     "SamplingParams",
+    "SessionView",
     "StatsSnapshot",
     "ToolCall",
     "TopLogprob",

@@ -1,11 +1,16 @@
-"""The admission actor: the FIFO queue, placement on a lane, and the lane hand-over.
+"""The admission actor: the queue, placement on a lane, and the lane hand-over.
 
-Every request enters here. The queue is strict FIFO, head of line: nothing is
-reordered. A continuous-lane head is admitted when a batch slot is free and no
-serial request runs; a serial head waits until the batch lane has drained (its
-rows finish; no new ones join behind the waiter), then gets the GPU alone: drain,
-never starve. Admission also routes :class:`Cancel` and :class:`Finish` to
-whichever actor owns the row, and ends queued rows itself.
+Every request enters here. Sessions share the slots: the next row admitted is
+the oldest queued row of the waiting session with the fewest admitted rows
+(ties: whose oldest row came first), so one agent tree's fan-out cannot hold
+every slot while another session waits. Within a session, and among requests
+without one (each is a session of its own), the order is arrival: with no
+sessions the queue is plain FIFO. The chosen row is the head of line: one that
+does not fit holds admission. A continuous-lane head is admitted when a batch
+slot is free and no serial request runs; a serial head waits until the batch
+lane has drained (its rows finish; no new ones join behind the waiter), then
+gets the GPU alone: drain, never starve. Admission also routes :class:`Cancel`
+and :class:`Finish` to whichever actor owns the row, and ends queued rows itself.
 
 The scheduling decision is the plain function :func:`plan`, testable without a
 model; the actor only applies it.
@@ -13,9 +18,12 @@ model; the actor only applies it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from collections import deque
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import trio
@@ -67,7 +75,10 @@ class Left:
 
 
 async def release(
-    row: Row, *, to_emitter: trio.MemorySendChannel, to_admission: trio.MemorySendChannel,
+    row: Row,
+    *,
+    to_emitter: trio.MemorySendChannel,
+    to_admission: trio.MemorySendChannel,
     announced: bool,
 ) -> None:
     """How every row owner (prefill, decode, serial) lets a row go once it has
@@ -92,6 +103,29 @@ class Plan:
     to_serial: Row | None
 
 
+def share_key(row: Row) -> str | tuple[str, int]:
+    """Whom a row's slot is counted against: its session, else the row alone."""
+    return row.session if row.session is not None else ("row", row.id)
+
+
+def next_head(queue: deque[Row], admitted: Mapping[Any, int]) -> Row:
+    """The row admission considers next: the oldest queued row of the session
+    with the fewest ``admitted`` rows (ties: the session whose oldest row came
+    first). With no sessions, the queue's head."""
+    best, best_count, seen = queue[0], math.inf, set()
+    for row in queue:
+        key = share_key(row)
+        if key in seen:
+            continue
+        seen.add(key)
+        count = admitted.get(key, 0)
+        if count < best_count:
+            best, best_count = row, count
+            if count == 0:
+                break  # nobody has fewer; the earliest such session wins
+    return best
+
+
 def plan(
     queue: deque[Row],
     *,
@@ -101,24 +135,30 @@ def plan(
     closing: bool,
     budget: int | None = None,
     live_bytes: int = 0,
+    admitted: Mapping[Any, int] | None = None,
 ) -> Plan:
-    """Pop the rows to admit now from the head of ``queue`` (mutates it).
+    """Take the rows to admit now out of ``queue`` (mutates it).
 
-    Head of line, never reordered: a head that does not fit (slots, the serial
-    lane, the KV budget) holds every row behind it."""
+    ``admitted`` counts the admitted rows per :func:`share_key`; the next row is
+    :func:`next_head`'s. That row is the head of line: when it does not fit
+    (slots, the serial lane, the KV budget) it holds every other row."""
+    counts = collections.Counter(admitted or {})
     to_batch: list[Row] = []
     to_serial = None
     while queue and not closing:
-        head = queue[0]
+        head = next_head(queue, counts)
         if budget is not None and live_bytes + head.kv_projected > budget:
             break  # queue, don't OOM: it joins when enough live rows have left
         if head.lane is Lane.SERIAL:
             if in_batch + len(to_batch) == 0 and not serial_running and to_serial is None:
-                to_serial = queue.popleft()
+                queue.remove(head)
+                to_serial = head
             break  # a serial head holds admission until it has run
         if serial_running or to_serial is not None or in_batch + len(to_batch) >= cap:
             break
-        to_batch.append(queue.popleft())
+        queue.remove(head)
+        to_batch.append(head)
+        counts[share_key(head)] += 1
         live_bytes += head.kv_projected
     return Plan(tuple(to_batch), to_serial)
 
@@ -139,6 +179,7 @@ class Admission:
     _queue: deque[Row] = attrs.field(factory=deque, init=False)
     _lanes: dict[int, Lane] = attrs.field(factory=dict, init=False)  # admitted rows
     _projected: dict[int, int] = attrs.field(factory=dict, init=False)  # their KV bytes
+    _shares: dict[int, Any] = attrs.field(factory=dict, init=False)  # their share_key
     _closing: bool = attrs.field(default=False, init=False)
 
     @property
@@ -244,6 +285,7 @@ class Admission:
                 if row_id not in self._lanes:  # every admitted row leaves exactly once
                     raise RuntimeError(f"row {row_id} left twice (or was never admitted)")
                 del self._projected[row_id]
+                del self._shares[row_id]
                 lane = self._lanes.pop(row_id)
                 if not any(v is lane for v in self._lanes.values()):
                     self.gpu.give_lane(lane)
@@ -283,6 +325,7 @@ class Admission:
             closing=self._closing,
             budget=self.budget,
             live_bytes=sum(self._projected.values()),
+            admitted=collections.Counter(self._shares.values()),
         )
         now = trio.current_time()
         for row in (*p.to_batch, *([p.to_serial] if p.to_serial else [])):
@@ -290,6 +333,7 @@ class Admission:
                 self.gpu.take_lane(row.lane)
             self._lanes[row.id] = row.lane
             self._projected[row.id] = row.kv_projected
+            self._shares[row.id] = share_key(row)
             self.stats.post(Observe(Metric.QUEUE_WAIT, now - row.times.submitted))
             target = self.to_serial if row.lane is Lane.SERIAL else self.to_prefill
             await target.send(Submit(row))

@@ -40,7 +40,7 @@ from .prefill import PrefillActor
 from .prompt_cache import PromptCacheActor
 from .ranks import RankWatch, follow, lead, rank_figures
 from .request import Result
-from .row import Cancel, Phase, Row, RowView, view
+from .row import Cancel, Phase, Row, RowView, SessionView, sessions, tree, view
 from .serial import Serial
 from .settings import EngineSettings
 from .stats import Count, Metric, Mode, Stats, StatsSnapshot
@@ -75,8 +75,10 @@ class Engine:
         """Validate and place one request; enter the returned stream to run it.
 
         ``params`` are :class:`SamplingParams` fields (``stop`` may be a string),
-        plus ``request_id`` (the caller's label) and ``session`` (the agent session
-        it belongs to), both kept on the row for dashboards and logs.
+        plus ``request_id`` (the caller's label), ``session`` (the agent session
+        it belongs to: sessions share the batch's slots, see ``admission.py``) and
+        ``parent`` (the session that one runs under, for :meth:`cancel_session`),
+        all kept on the row for dashboards and logs.
         Raises :class:`InvalidRequest` at once for a request the engine cannot run,
         and :class:`Overloaded` while the queue is full: that is checked first, so
         shedding load costs no rendering or tokenizing (the stream's ``start``
@@ -91,6 +93,7 @@ class Engine:
             self.stats_actor.post(Count(Metric.OVERLOADED))
             raise _overloaded(refused)
         request_id, session = params.pop("request_id", None), params.pop("session", None)
+        parent = params.pop("parent", None)
         try:
             row, receive = self.intake.row(prompt, params)
         except InvalidRequest:
@@ -98,6 +101,7 @@ class Engine:
             raise
         row.request_id = None if request_id is None else str(request_id)
         row.session = None if session is None else str(session)
+        row.parent = None if parent is None or row.session is None else str(parent)
         self._live[row.id] = row
         return RequestStream(self, row, row.id, row.params, receive, len(row.prompt))
 
@@ -107,6 +111,20 @@ class Engine:
         now = trio.current_time()
         rows = [r for r in list(self._live.values()) if r.phase is not Phase.ENDED]
         return [view(r, now) for r in sorted(rows, key=lambda r: r.id)]
+
+    def sessions(self) -> list[SessionView]:
+        """The live sessions, each with its queued and running rows."""
+        return sessions(self.live())
+
+    def cancel_session(self, session: str, reason: str | None = None) -> int:
+        """Cancel every queued and running row of ``session`` and of the sessions
+        under it (their ``parent``); each ends with its terminal event within a
+        step. Returns how many rows were cancelled."""
+        live = [r for r in list(self._live.values()) if r.phase is not Phase.ENDED]
+        doomed = tree(live, session)
+        for row in doomed:
+            self._cancel(row.id, reason or f"session {session} was cancelled")
+        return len(doomed)
 
     async def generate(self, prompt: Prompt, **params: Any) -> Result:
         """Run one request to its end; raises :class:`GenerationFailed` on an error event."""

@@ -110,6 +110,7 @@ class Row:
     starts_thinking: bool = False  # the prompt opens a think block the answer continues
     request_id: str | None = None  # the client's label for it (dashboards, logs)
     session: str | None = None  # the agent session it belongs to (a client's hint)
+    parent: str | None = None  # the session that session runs under (a sub-agent's tree)
     phase: Phase = Phase.QUEUED
     cached_tokens: int = 0  # prompt tokens taken from the prompt cache
     cache_report: CacheReport | None = attrs.field(default=None, repr=False)  # and why
@@ -160,6 +161,7 @@ class RowView:
     id: int
     request_id: str | None
     session: str | None
+    parent: str | None
     lane: str
     phase: str
     prompt_tokens: int
@@ -184,6 +186,7 @@ def view(row: Row, now: float) -> RowView:
         id=row.id,
         request_id=row.request_id,
         session=row.session,
+        parent=row.parent,
         lane=str(row.lane),
         phase=row.phase.value,
         prompt_tokens=len(row.prompt),
@@ -194,3 +197,43 @@ def view(row: Row, now: float) -> RowView:
         time_to_first_token=None if first is None else first - t.submitted,
         tokens_per_second=rate,
     )
+
+
+@attrs.frozen
+class SessionView:
+    """One live session: its rows (queued and running) and their figures."""
+
+    id: str
+    parent: str | None
+    rows: tuple[RowView, ...]
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for r in self.rows if r.phase == Phase.QUEUED.value)
+
+    @property
+    def running(self) -> int:
+        return len(self.rows) - self.queued
+
+
+def sessions(rows: list[RowView]) -> list[SessionView]:
+    """The live rows grouped by session (rows without one are left out), in the
+    order each session's oldest row arrived."""
+    grouped: dict[str, list[RowView]] = {}
+    for r in rows:
+        if r.session is not None:
+            grouped.setdefault(r.session, []).append(r)
+    return [
+        SessionView(sid, next((r.parent for r in rs if r.parent is not None), None), tuple(rs))
+        for sid, rs in grouped.items()
+    ]
+
+
+def tree(rows: list[Row], root: str) -> list[Row]:
+    """The live rows of session ``root`` and of every session under it."""
+    ids, grew = {root}, True
+    while grew:
+        more = {r.session for r in rows if r.parent in ids and r.session is not None}
+        grew = not more <= ids
+        ids |= more
+    return [r for r in rows if r.session in ids]

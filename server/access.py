@@ -76,7 +76,7 @@ def cors_headers(origin: str | None, host: str | None, settings: Settings) -> di
     return {
         "Access-Control-Allow-Origin": "*" if "*" in allowed and not own else origin,
         "Access-Control-Allow-Headers": "*",
-        "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+        "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
         "Vary": "Origin",
     }
 

@@ -197,8 +197,11 @@ def create_app(settings: Settings) -> QuartTrio:
         view = functools.partial(routes.generate, api)
         app.add_url_rule(path, endpoint=api.name, view_func=view, methods=["POST"])
     app.add_url_rule("/v1/messages/count_tokens", view_func=routes.count_tokens, methods=["POST"])
+    app.add_url_rule("/v1/sessions/<session>", view_func=routes.cancel_session,
+                     methods=["DELETE"])  # fmt: skip
     for path, view in (
         ("/v1/models", routes.models),
+        ("/v1/sessions", routes.sessions),
         ("/stats", routes.stats),
         ("/metrics", routes.metrics),
         ("/", routes.dashboard),

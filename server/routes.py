@@ -28,6 +28,7 @@ from mlx_nursery.actors import (
     Overloaded,
     RequestStream,
     Result,
+    SessionView,
 )
 from quart import Response, request
 
@@ -127,9 +128,11 @@ class Routes:
             log.info("%s: left out tools this server cannot run: %s", request_id,
                      ", ".join(parsed.ignored_tools))  # fmt: skip
         try:
+            parent = request.headers.get(PARENT_HEADER)
             stream = engine.submit(
-                parsed.prompt, request_id=request_id, session=parsed.session, **parsed.params
-            )
+                parsed.prompt, request_id=request_id, session=parsed.session, parent=parent,
+                **parsed.params,
+            )  # fmt: skip
             stream.on_end = self._on_end(engine, parsed, request_id, api.name)
             await stream.start()
         except ContextOverflow as exc:
@@ -207,6 +210,23 @@ class Routes:
             card["max_model_len"] = card["context_length"] = engine.info.context_length
         return json_response({"object": "list", "data": [card]})
 
+    async def sessions(self) -> Response:
+        """``GET /v1/sessions``: the live sessions, each with its rows."""
+        engine = self.state.engine_or_503()
+        return json_response({"object": "list", "data": [
+            session_json(s) for s in engine.sessions()
+        ]})  # fmt: skip
+
+    async def cancel_session(self, session: str) -> Response:
+        """``DELETE /v1/sessions/{id}``: end every queued and running row of the
+        session and of the sessions under it."""
+        engine = self.state.engine_or_503()
+        n = engine.cancel_session(session, f"session {session} was cancelled by DELETE")
+        if not n:
+            raise ApiError(404, f"no live session {session!r}; GET /v1/sessions lists them",
+                           type="not_found_error", code="session_not_found")  # fmt: skip
+        return json_response({"id": session, "object": "session.cancelled", "cancelled": n})
+
     async def stats(self) -> Response:
         engine = self.state.engine_or_503()
         body = stats_json(engine.stats())
@@ -233,3 +253,23 @@ class Routes:
         refusals = self.state.requests.refusal_figures()
         body, content_type = prometheus(engine.stats(), accept, engine.ranks(), refusals)
         return Response(body, content_type=content_type)
+
+
+# A sub-agent's request names the session it runs under (Claude Code's sub-agents
+# share its session id; a harness that gives each its own can link them so).
+PARENT_HEADER = "X-Parent-Session-Id"
+
+
+def session_json(s: SessionView) -> dict:
+    rows = [attrs.asdict(r) for r in s.rows]
+    return {
+        "id": s.id,
+        "object": "session",
+        "parent": s.parent,
+        "queued": s.queued,
+        "running": s.running,
+        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+        "cached_tokens": sum(r["cached_tokens"] for r in rows),
+        "tokens": sum(r["tokens"] for r in rows),
+        "rows": rows,
+    }

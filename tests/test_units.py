@@ -55,6 +55,50 @@ def test_plan_rows_before_a_serial_waiter_still_join_and_nothing_is_reordered():
     assert ids(p.to_batch) == [0] and p.to_serial is None and ids(q) == [1, 2]
 
 
+def of(session, i, **kw):
+    r = row(i, **kw)
+    r.session = session
+    return r
+
+
+def test_plan_gives_a_waiting_session_the_next_free_slot():
+    # Session A fanned out: four rows admitted, eight more queued. B's one request
+    # came after all of them; it gets the next free slot, then A's rows in order.
+    q = deque([*(of("A", i) for i in range(4, 12)), of("B", 12)])
+    p = plan(q, cap=4, in_batch=3, serial_running=False, closing=False,
+             admitted={"A": 3})  # fmt: skip
+    assert ids(p.to_batch) == [12]
+    p = plan(q, cap=4, in_batch=3, serial_running=False, closing=False,
+             admitted={"A": 2, "B": 1})  # fmt: skip
+    assert ids(p.to_batch) == [4]
+    assert ids(q) == list(range(5, 12))
+
+
+def test_plan_shares_free_slots_between_sessions_in_turn():
+    q = deque([of("A", 0), of("A", 1), of("A", 2), of("B", 3), of("B", 4), of("C", 5)])
+    p = plan(q, cap=5, in_batch=0, serial_running=False, closing=False)
+    # rounds: A, B, C each one (fewest admitted, earliest first), then A, B
+    assert ids(p.to_batch) == [0, 3, 5, 1, 4]
+    assert ids(q) == [2]
+
+
+def test_plan_without_sessions_is_fifo_and_a_lone_request_is_its_own_session():
+    q = deque([row(0), of("A", 1), of("A", 2), row(3)])
+    p = plan(q, cap=3, in_batch=0, serial_running=False, closing=False,
+             admitted={"A": 2})  # fmt: skip
+    # the lone requests have nothing admitted: they go before A's third and fourth
+    assert ids(p.to_batch) == [0, 3, 1]
+
+
+def test_plan_the_chosen_head_holds_admission_when_it_does_not_fit():
+    big = of("B", 2)
+    big.kv_projected = 900
+    q = deque([of("A", 0), of("A", 1), big])
+    p = plan(q, cap=8, in_batch=1, serial_running=False, closing=False, budget=1000,
+             live_bytes=200, admitted={"A": 1})  # fmt: skip
+    assert p.to_batch == () and ids(q) == [0, 1, 2]  # B is next, and waits for room
+
+
 def test_plan_admits_nothing_while_closing():
     q = deque([row(0)])
     assert plan(q, cap=8, in_batch=0, serial_running=False, closing=True).to_batch == ()

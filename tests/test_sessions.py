@@ -1,0 +1,121 @@
+"""Agent sessions: slots shared between sessions, one cancel for a session's
+tree, the live sessions listed (``docs/sessions.md``)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import trio
+from conftest import checked_engine, running_server
+
+from mlx_nursery.actors import FinishReason
+
+EOS = 258  # the golden tokenizer's end token: suppressed, so rows run to max_tokens
+NO_END = {EOS: -100.0}
+
+
+async def test_a_waiting_session_gets_the_next_free_slot_before_anothers_backlog():
+    """Session A fans out six requests over two slots; B's one request, sent after
+    all of them, is admitted when the first slot frees, ahead of A's last four."""
+    results = {}
+    async with checked_engine("llama", batch=2) as engine:
+
+        async def run(name, session, prompt):
+            results[name] = await engine.generate(
+                prompt, session=session, max_tokens=24, logit_bias=NO_END
+            )
+
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(run, f"a{i}", "A", [5 + i] * 40)
+                await trio.sleep(0.01)
+            while len([r for r in engine.live() if r.session == "A"]) < 6:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            nursery.start_soon(run, "b", "B", [70] * 40)
+    waits = {name: r.usage.queue_wait for name, r in results.items()}
+    assert all(r.finish_reason is FinishReason.LENGTH for r in results.values())
+    assert waits["b"] < min(waits[f"a{i}"] for i in range(2, 6)), waits
+
+
+async def test_cancelling_a_session_ends_its_tree_and_nothing_else():
+    """Eight rows of a session (two of them mid-prefill, six queued), a sub-agent
+    session under it, and another session: one cancel ends the first two, each
+    row with its terminal event; the other session runs on."""
+    ended = {}
+    async with checked_engine("llama", batch=4, prefill_step_size=16) as engine:
+
+        async def run(name, prompt, session, parent=None):
+            ended[name] = await engine.generate(
+                prompt, max_tokens=2500, logit_bias=NO_END, session=session, parent=parent
+            )
+
+        async with trio.open_nursery() as nursery:
+            rows = [("long0", [40] * 1500, "main"), ("long1", [41] * 1500, "main"),
+                    ("sub", [60] * 24, "sub", "main"), ("other", [61] * 24, "other"),
+                    *((f"main{i}", [5 + i] * 24, "main") for i in range(6))]  # fmt: skip
+            for i, spec in enumerate(rows):  # in this order: admission sees them so
+                nursery.start_soon(run, *spec)
+                while len(engine.live()) <= i:  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+            phases = [(r.session, r.phase) for r in engine.live()]
+            assert phases.count(("main", "prefilling")) == 2, phases
+            assert phases.count(("main", "queued")) == 6, phases
+            listed = {s.id: s for s in engine.sessions()}
+            assert len(listed["main"].rows) == 8 and listed["sub"].parent == "main"
+            assert engine.cancel_session("main") == 9
+            with trio.fail_after(10):
+                while len(ended) < 9:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            assert "other" not in ended  # still running
+            assert engine.cancel_session("other") == 1
+            assert engine.cancel_session("nobody") == 0
+    for name, result in ended.items():
+        assert result.finish_reason is FinishReason.CANCELLED, name
+    assert len(ended) == 10
+
+
+async def test_the_sessions_endpoints_list_and_cancel_a_claude_code_session():
+    headers = {"X-Claude-Code-Session-Id": "cc-1"}
+    body = {"model": "llama", "prompt": "Agent, report:", "max_tokens": 2000, "stream": True,
+            "logit_bias": {str(EOS): -100}}  # fmt: skip
+    async with running_server(batch=4) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            streams = []
+
+            async def agent(i):
+                sub = {**headers, "X-Parent-Session-Id": "cc-1",
+                       "X-Session-Id": f"cc-1-sub{i}"} if i else headers  # fmt: skip
+                events = []
+                async with client.stream("POST", "/v1/completions", json=body,
+                                         headers=sub) as r:  # fmt: skip
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                streams.append(events)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(agent, i)
+                with trio.fail_after(30):
+                    while True:
+                        listed = (await client.get("/v1/sessions")).json()["data"]
+                        if len(listed) == 3 and all(s["running"] for s in listed):
+                            break
+                        await trio.sleep(0.02)
+                by_id = {s["id"]: s for s in listed}
+                assert by_id["cc-1-sub1"]["parent"] == "cc-1"
+                assert by_id["cc-1"]["rows"][0]["request_id"]
+                gone = await client.delete("/v1/sessions/cc-1")
+                assert gone.status_code == 200, gone.text
+                assert gone.json() == {"id": "cc-1", "object": "session.cancelled",
+                                       "cancelled": 3}  # fmt: skip
+            missing = await client.delete("/v1/sessions/cc-1")
+            assert missing.status_code == 404
+            assert missing.json()["error"]["code"] == "session_not_found"
+            assert (await client.get("/v1/sessions")).json()["data"] == []
+    for events in streams:
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert "cancelled" in json.dumps(last), last
