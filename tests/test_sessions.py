@@ -8,7 +8,6 @@ import json
 import httpx
 import trio
 from conftest import checked_engine, running_server
-
 from mlx_nursery.actors import FinishReason
 
 EOS = 258  # the golden tokenizer's end token: suppressed, so rows run to max_tokens
