@@ -271,4 +271,5 @@ def usage_of(row: Row, d: _Delivery, finished: float) -> Usage:
         prefill_tokens_per_second=prefill_rate,
         decode_tokens_per_second=decode_rate,
         cache=row.cache_report,
+        session=row.session,
     )

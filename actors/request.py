@@ -253,6 +253,7 @@ class Usage:
     prefill_tokens_per_second: float | None
     decode_tokens_per_second: float | None
     cache: CacheReport | None = None  # the prompt-cache lookup, where there was one
+    session: str | None = None  # the agent session the request ran in
 
     @property
     def total_tokens(self) -> int:

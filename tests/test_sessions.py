@@ -33,6 +33,7 @@ async def test_a_waiting_session_gets_the_next_free_slot_before_anothers_backlog
                 await trio.sleep(0.01)
             nursery.start_soon(run, "b", "B", [70] * 40)
     waits = {name: r.usage.queue_wait for name, r in results.items()}
+    assert results["b"].usage.session == "B" and results["a0"].usage.session == "A"
     assert all(r.finish_reason is FinishReason.LENGTH for r in results.values())
     assert waits["b"] < min(waits[f"a{i}"] for i in range(2, 6)), waits
 
@@ -114,6 +115,9 @@ async def test_the_sessions_endpoints_list_and_cancel_a_claude_code_session():
             assert missing.status_code == 404
             assert missing.json()["error"]["code"] == "session_not_found"
             assert (await client.get("/v1/sessions")).json()["data"] == []
+            one = {"model": "llama", "prompt": "Hi", "max_tokens": 2}
+            done = await client.post("/v1/completions", json=one, headers=headers)
+            assert done.json()["usage"]["session"] == "cc-1"  # the extension field
     for events in streams:
         assert events[-1] == "[DONE]"
         last = json.loads(events[-2])

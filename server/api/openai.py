@@ -134,6 +134,7 @@ def usage_body(usage: Usage) -> dict:
         "prefill_tokens_per_second": usage.prefill_tokens_per_second,
         "decode_tokens_per_second": usage.decode_tokens_per_second,
         **({"prompt_cache": cache_body(usage.cache)} if usage.cache is not None else {}),
+        **({"session": usage.session} if usage.session is not None else {}),
     }
 
 
