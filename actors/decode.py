@@ -221,7 +221,7 @@ class Decode:
 
     async def _freed_joiners(self, gone: list[Row], saving: list[Row], saved: list) -> None:
         for row, caches in zip(saving, saved, strict=True):
-            await self.to_prompt_cache.send(Put(row.prompt, caches))
+            await self.to_prompt_cache.send(Put(row.prompt, caches, session=row.session))
         for row in gone:
             await self._free(row, announced=False)
 
@@ -258,7 +258,9 @@ class Decode:
             return False
         for i, caches in zip(save, left.saved, strict=True):
             row = self._rows[i]
-            await self.to_prompt_cache.send(Put(row.prompt + row.tokens, caches))
+            await self.to_prompt_cache.send(
+                Put(row.prompt + row.tokens, caches, session=row.session)
+            )
         self._relayout(left.layout)
         self._report(left.kv_bytes, left.padding_waste)
         if left.copied:

@@ -273,7 +273,7 @@ class PrefillActor:
     async def _turn(self) -> None:
         for row in self._active:  # arrivals (and joiners released from waiting) take
             if not row.work.taken:
-                hit = await take(self.to_prompt_cache, row.prompt)
+                hit = await take(self.to_prompt_cache, row.prompt, row.session)
                 row.work.start_from(hit.caches, hit.cached)
                 row.cached_tokens, row.cache_report = row.work.done, hit.report
         min_shared = MIN_SHARED_TOGETHER if self.together else MIN_SHARED
@@ -348,7 +348,9 @@ class PrefillActor:
         if self.to_prompt_cache is None:
             return
         for n, caches in snapshots:
-            await self.to_prompt_cache.send(Put(row.prompt[:n], caches, EntryKind.SYSTEM))
+            await self.to_prompt_cache.send(
+                Put(row.prompt[:n], caches, EntryKind.SYSTEM, session=row.session)
+            )
 
     def _report(self) -> None:
         nbytes = sum(r.work.nbytes for r in self._active)

@@ -88,6 +88,10 @@ class Hit:
     report: CacheReport | None = None  # why that much (and no more)
 
 
+# A session's latest entry is pinned (evicted only when nothing else is left) while
+# the session was seen this recently: an agent's next turn comes within seconds.
+PIN_SECONDS = 120.0
+
 # Evicted entries' token ids (no KV) kept to tell "evicted" from "never cached".
 EVICTED_KEPT = 32
 
@@ -108,7 +112,7 @@ class _RecordingLRU:
         return getattr(self._inner, name)
 
     def pop(self) -> Any:
-        model, tokens = self._inner.pop()
+        model, tokens = self._pop_unpinned()
         store = self._store
         store.evicted.append(np.asarray(tokens))
         store.evictions += 1
@@ -116,6 +120,23 @@ class _RecordingLRU:
             entry = store._trie.get(KEY, tokens)
             store.spilled.append(Put(list(tokens), entry.prompt_cache, EntryKind(entry.cache_type)))
         return model, tokens
+
+    def _pop_unpinned(self) -> Any:
+        """mlx-lm's choice of victim, passing over pinned entries while another is
+        left (they go back to their old ends, in order)."""
+        passed = []
+        try:
+            while True:
+                model, tokens = self._inner.pop()
+                if tuple(tokens) not in self._store.pinned:
+                    return model, tokens
+                passed.append((model, tokens))
+                if not len(self._inner):  # every entry is pinned: the oldest goes
+                    return passed.pop(0)
+        finally:
+            for model, tokens in reversed(passed):
+                kind = self._store._trie.get(KEY, tokens).cache_type
+                self._inner._lrus[kind].appendleft((model, tokens))
 
 
 @mirrored(Mirrored.STORE)
@@ -130,6 +151,10 @@ class Store(LRUPromptCache):
         # Read and cleared by the actor between its GPU calls (it owns the store).
         self.spill = False
         self.spilled: list[Put] = []
+        # Entries (token tuples) eviction passes over while any other is left: each
+        # active session's latest. Set by every put and trim (an argument, so a
+        # sharded engine's followers evict alike).
+        self.pinned: frozenset[tuple[int, ...]] = frozenset()
         self._lru = _RecordingLRU(self._lru, self)
 
     def take(self, tokens: list[int]) -> Hit:
@@ -187,11 +212,16 @@ class Store(LRUPromptCache):
         self._lru.remove(KEY, tokens)
         self._lru.push(KEY, tokens, entry.cache_type)
 
-    def put(self, tokens: list[int], caches: list[Any], kind: EntryKind, ceiling: int) -> None:
+    def put(
+        self, tokens: list[int], caches: list[Any], kind: EntryKind, ceiling: int,
+        pinned: frozenset = frozenset(),
+    ) -> None:  # fmt: skip
+        self.pinned = pinned
         self.insert_cache(KEY, list(tokens), caches, cache_type=kind)
         self.trim_to(n_bytes=ceiling)
 
-    def trim_bytes(self, ceiling: int) -> None:
+    def trim_bytes(self, ceiling: int, pinned: frozenset = frozenset()) -> None:
+        self.pinned = pinned
         self.trim_to(n_bytes=ceiling)
 
 
@@ -208,6 +238,7 @@ class EntryKind(enum.StrEnum):
 class Take:
     tokens: list[int] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
     reply: trio.MemorySendChannel = attrs.field(repr=False)  # gets one Hit
+    session: str | None = None  # the asking row's session (it is active)
 
 
 @attrs.frozen
@@ -215,6 +246,7 @@ class Put:
     tokens: list[int] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
     caches: list[Any] = attrs.field(repr=False)
     kind: EntryKind = EntryKind.ASSISTANT
+    session: str | None = None  # whose: a session's latest entry is pinned while active
 
 
 @attrs.frozen
@@ -249,6 +281,9 @@ class PromptCacheActor:
     _pending: list[PendingWrite] = attrs.field(factory=list, init=False)  # disk writes
     _wake: trio.Event = attrs.field(factory=trio.Event, init=False)  # a write was queued
     _hurry: bool = attrs.field(default=False, init=False)  # flushing: every write is due
+    # Each session's latest entry and when the session was last seen (a put or a
+    # take): pinned while seen within PIN_SECONDS.
+    _pins: dict[str, tuple[tuple[int, ...], float]] = attrs.field(factory=dict, init=False)
     _handling: bool = attrs.field(default=False, init=False)  # a message in hand
     _writing: bool = attrs.field(default=False, init=False)  # a write in hand
     _moved: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each
@@ -280,7 +315,8 @@ class PromptCacheActor:
 
     async def dispatch(self, message: Take | Put | Trim) -> None:
         match message:
-            case Take(tokens, reply):
+            case Take(tokens, reply, session):
+                self._seen(session)
                 hit = await self._take(tokens)
                 if hit.caches is None:
                     self.stats.post(Count(Metric.PROMPT_CACHE_MISSES))
@@ -292,19 +328,38 @@ class PromptCacheActor:
                 # The asker may be gone (cancelled): then the clone just drops.
                 with reply, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
                     reply.send_nowait(hit)
-            case Put(tokens, caches, kind):
+            case Put(tokens, caches, kind, session):
+                self._seen(session, tokens)
                 with contextlib.suppress(RanksLost):
-                    await self.gpu.call(self._store.put, tokens, caches, kind, self._ceiling)
+                    await self.gpu.call(
+                        self._store.put, tokens, caches, kind, self._ceiling, self._pinned()
+                    )
                 if self.disk is not None and len(tokens) >= disk_cache.LONG_PREFIX:
                     self._queue_write(message, disk_cache.WRITE_DELAY)
                 self._spilled()
             case Trim(max_bytes):
                 self._ceiling = min(self.max_bytes, max(0, max_bytes))
                 with contextlib.suppress(RanksLost):
-                    await self.gpu.call(self._store.trim_bytes, self._ceiling)
+                    await self.gpu.call(self._store.trim_bytes, self._ceiling, self._pinned())
                 self._spilled()
             case _:
                 raise TypeError(f"prompt cache got an unexpected message: {message!r}")
+
+    def _seen(self, session: str | None, tokens: list[int] | None = None) -> None:
+        if session is None:
+            return
+        now = trio.current_time()
+        if tokens is not None and len(tokens) >= PUT_MIN_PROMPT:
+            self._pins[session] = (tuple(tokens), now)
+        elif session in self._pins:
+            self._pins[session] = (self._pins[session][0], now)
+
+    def _pinned(self) -> frozenset[tuple[int, ...]]:
+        """The latest entry of every session seen within PIN_SECONDS (the others
+        are forgotten)."""
+        since = trio.current_time() - PIN_SECONDS
+        self._pins = {s: pin for s, pin in self._pins.items() if pin[1] >= since}
+        return frozenset(key for key, _ in self._pins.values())
 
     async def _take(self, tokens: list[int]) -> Hit:
         """Memory's best; a file on disk instead where it serves more of the prompt."""
@@ -480,13 +535,15 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-async def take(to_cache: trio.MemorySendChannel | None, tokens: list[int]) -> Hit:
+async def take(
+    to_cache: trio.MemorySendChannel | None, tokens: list[int], session: str | None = None
+) -> Hit:
     """Ask the prompt cache (through its mailbox) for the longest usable cached
     prefix of ``tokens``: a request-reply any actor can make from its own task."""
     if to_cache is None:
         return Hit(None, 0, CacheReport(CacheReason.DISABLED))
     send, receive = trio.open_memory_channel(1)
-    await to_cache.send(Take(tokens, send))
+    await to_cache.send(Take(tokens, send, session))
     with receive:
         try:
             return await receive.receive()

@@ -123,7 +123,7 @@ class Serial:
         try:
             row.times.prefill_started = trio.current_time()
             self.stats.post(Count(Metric.PROMPT_TOKENS, len(row.prompt)))
-            hit = await take(self.to_prompt_cache, row.prompt)
+            hit = await take(self.to_prompt_cache, row.prompt, row.session)
             row.cached_tokens = hit.cached if hit.caches is not None else 0
             row.cache_report = hit.report
             gen = await self.gpu.call(
@@ -164,7 +164,9 @@ class Serial:
             except Exception:  # the call never ran (a sharded engine's ranks lost)
                 caches = None
             if caches and self.to_prompt_cache is not None and worth_keeping(row):
-                await self.to_prompt_cache.send(Put(row.prompt + row.tokens, caches))
+                await self.to_prompt_cache.send(
+                    Put(row.prompt + row.tokens, caches, session=row.session)
+                )
         self.stats.post(Gauge(Metric.SERIAL_KV_BYTES, 0))
         announced = row.phase is Phase.ENDED  # its last token carried the end
         if not announced:

@@ -122,3 +122,24 @@ async def test_the_sessions_endpoints_list_and_cancel_a_claude_code_session():
         assert events[-1] == "[DONE]"
         last = json.loads(events[-2])
         assert "cancelled" in json.dumps(last), last
+
+
+async def churn_then_return(session: str | None) -> tuple[int, int]:
+    """B asks once, A churns ten entries through a three-entry cache, B's next
+    turn extends its history: how much of that history came from the cache."""
+    history = [90] * 60
+    async with checked_engine("llama", prompt_cache_size=3, prompt_cache_disk=0) as engine:
+        first = await engine.generate(history, session=session, max_tokens=8,
+                                      logit_bias=NO_END)  # fmt: skip
+        for i in range(10):
+            await engine.generate([20 + i] * 40, session="A", max_tokens=8, logit_bias=NO_END)
+        turn = history + first.tokens + [91] * 10
+        second = await engine.generate(turn, session=session, max_tokens=2)
+        return second.usage.cached_tokens, len(history) + len(first.tokens)
+
+
+async def test_an_active_sessions_history_stays_cached_through_anothers_churn():
+    cached, history = await churn_then_return("B")
+    assert cached >= history - 1  # all of it (the last token may be fed again)
+    cached, _ = await churn_then_return(None)  # the same without a session
+    assert cached == 0
