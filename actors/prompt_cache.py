@@ -18,9 +18,11 @@ Every mlx touch (clone, trim, byte counts) runs on the GPU thread, called from
 this actor's own task only, so the store has one owner.
 
 With a disk tier (``disk_cache.py``), a take that memory serves less well than a
-file on disk loads the file instead; long entries are written as soon as they
-are put and others when memory evicts them, by one writer task, so no write
-waits on the GPU thread or blocks the loop.
+file on disk loads the file instead; long entries are written soon after their
+put (unless the conversation's next turn supersedes them first) and others when
+memory evicts them, by one writer task, so no write waits on the GPU thread or
+blocks the loop. Each agent session's latest entry is pinned while the session
+is active (see ``PIN_SECONDS``).
 """
 
 from __future__ import annotations
