@@ -208,15 +208,20 @@ class DiskEntry:
         """How many of ``prompt``'s tokens this entry can serve (the last prompt
         token is always forwarded)."""
         limit = len(prompt) - 1
-        n = min(len(self.tokens), len(prompt))
-        differ = np.flatnonzero(self.tokens[:n] != prompt[:n])
-        shared = int(differ[0]) if differ.size else n
+        shared = shared_length(self.tokens, prompt)
         if self.trimmable:
             return min(shared, limit)
         return len(self.tokens) if shared == len(self.tokens) <= limit else 0
 
     def covers(self, tokens: np.ndarray) -> bool:
         return holds(self.tokens, self.trimmable, tokens)
+
+
+def shared_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two token arrays share (vectorised)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
 
 
 def holds(held: np.ndarray, trimmable: bool, tokens: np.ndarray) -> bool:
@@ -317,10 +322,11 @@ class DiskTier:
         """Write one entry atomically; returns its index entry (not yet indexed)."""
         from mlx_lm.models.cache import save_prompt_cache
 
+        raw = tokens.astype("<i4").tobytes()
         metadata = {
             "format": FORMAT,
             "model": self.identity,
-            "tokens": base64.b64encode(tokens.astype("<i4").tobytes()).decode(),
+            "tokens": base64.b64encode(raw).decode(),
             "trimmable": "1" if frozen.trimmable else "0",
             "kind": kind,
         }
@@ -330,7 +336,7 @@ class DiskTier:
             with tmp.open("rb+") as f:
                 os.fsync(f.fileno())
             digest = sha256(tmp)
-            key = hashlib.sha256(tokens.astype("<i4").tobytes()).hexdigest()[:16]
+            key = hashlib.sha256(raw).hexdigest()[:16]
             path = self.root / f"{key}-{digest[:32]}{SUFFIX}"
             os.replace(tmp, path)
             _fsync_dir(self.root)

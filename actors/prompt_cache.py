@@ -42,7 +42,7 @@ import trio
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from . import disk_cache
-from .disk_cache import BadFile, DiskEntry, DiskTier, as_tokens, holds
+from .disk_cache import BadFile, DiskEntry, DiskTier, as_tokens, holds, shared_length
 from .errors import RanksLost
 from .gpu import Gpu
 from .ranks import Mirrored, mirrored
@@ -177,7 +177,7 @@ class Store(LRUPromptCache):
         gone = 0
         if self.evicted:  # vectorised: this runs on the GPU thread, per partial miss
             mine = np.asarray(tokens)
-            gone = max(_shared_array(mine, old) for old in self.evicted)
+            gone = max(shared_length(mine, old) for old in self.evicted)
         if gone > shared:
             return CacheReport(CacheReason.EVICTED, cached, gone, diverged_at=cached,
                                tier=CacheTier.MEMORY if cached else None)  # fmt: skip
@@ -520,12 +520,6 @@ def _loaded(path: Any, trim: int) -> list[Any]:
     if trim:
         trim_prompt_cache(caches, trim)
     return caches
-
-
-def _shared_array(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
