@@ -22,15 +22,15 @@ async def test_a_waiting_session_gets_the_next_free_slot_before_anothers_backlog
 
         async def run(name, session, prompt):
             results[name] = await engine.generate(
-                prompt, session=session, max_tokens=24, logit_bias=NO_END
+                prompt, session=session, max_tokens=200, logit_bias=NO_END
             )
 
         async with trio.open_nursery() as nursery:
             for i in range(6):
                 nursery.start_soon(run, f"a{i}", "A", [5 + i] * 40)
                 await trio.sleep(0.01)
-            while len([r for r in engine.live() if r.session == "A"]) < 6:  # noqa: ASYNC110
-                await trio.sleep(0.01)
+            # all six queued (counted at enqueue: a row that already ended counts too)
+            await engine.stats_actor.wait_for(lambda s: s.submitted >= 6)
             nursery.start_soon(run, "b", "B", [70] * 40)
     waits = {name: r.usage.queue_wait for name, r in results.items()}
     assert results["b"].usage.session == "B" and results["a0"].usage.session == "A"
