@@ -1,19 +1,25 @@
 """The admission actor: the queue, placement on a lane, and the lane hand-over.
 
-Every request enters here. Sessions share the slots: the next row admitted is
-the oldest queued row of the waiting session with the fewest admitted rows
-(ties: whose oldest row came first), so one agent tree's fan-out cannot hold
-every slot while another session waits. Within a session, and among requests
-without one (each is a session of its own), the order is arrival: with no
-sessions the queue is plain FIFO. The chosen row is the head of line: one that
-does not fit holds admission. A continuous-lane head is admitted when a batch
-slot is free and no serial request runs; a serial head waits until the batch
-lane has drained (its rows finish; no new ones join behind the waiter), then
-gets the GPU alone: drain, never starve. Admission also routes :class:`Cancel`
-and :class:`Finish` to whichever actor owns the row, and ends queued rows itself.
+Every request enters here. Sessions share the slots by weight: the next row
+admitted is the oldest queued row of the waiting session with the fewest
+admitted rows per unit of weight (ties: whose oldest row came first), so one
+agent tree's fan-out cannot hold every slot while another session waits. When
+no slot frees within ``pause_after`` seconds for a session below its share
+(:func:`shares`), a decoding row of the session furthest over its share is
+paused (:func:`to_pause`): decode takes it out of the batch with its KV and
+pending token, and it waits here, first of its session, to rejoin exactly where
+it stopped. Within a session, and among requests without one (each is a session
+of its own, never over its share), the order is arrival: with no sessions the
+queue is plain FIFO and nothing is paused. The chosen row is the head of line:
+one that does not fit holds admission. A continuous-lane head is admitted when
+a batch slot is free and no serial request runs; a serial head waits until the
+batch lane has drained (its rows finish; no new ones join behind the waiter),
+then gets the GPU alone: drain, never starve. Admission also routes
+:class:`Cancel` and :class:`Finish` to whichever actor owns the row, and ends
+queued (and paused) rows itself.
 
-The scheduling decision is the plain function :func:`plan`, testable without a
-model; the actor only applies it.
+The scheduling decisions are the plain functions :func:`plan` and
+:func:`to_pause`, testable without a model; the actor only applies them.
 """
 
 from __future__ import annotations
@@ -22,22 +28,25 @@ import collections
 import contextlib
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import trio
 
 from .emitter import Ended
+from .errors import InvalidRequest
 from .gpu import Gpu
 from .mailbox import closing
 from .prompt_cache import Trim
 from .request import FinishReason, Lane
-from .row import Cancel, End, Finish, Phase, Row
+from .row import Cancel, End, Finish, NotPaused, Pause, Paused, Phase, Row
 from .stats import Count, Gauge, Metric, Observe, Stats
 
 MAILBOX_SIZE = 4096
 DEFAULT_STEP_SECONDS = 0.05  # for Retry-After before any step has been measured
+# A starving session with no decoding row to pause for it yet looks again this often.
+PAUSE_RETRY_SECONDS = 0.05
 
 
 @attrs.frozen
@@ -108,22 +117,130 @@ def share_key(row: Row) -> str | tuple[str, int]:
     return row.session if row.session is not None else ("row", row.id)
 
 
-def next_head(queue: deque[Row], admitted: Mapping[Any, int]) -> Row:
+MAX_WEIGHT = 1000.0
+
+
+def session_weight(value: Any) -> float:
+    """A session weight as given (a header's text, a number), checked."""
+    try:
+        weight = float(value)
+    except (TypeError, ValueError):
+        weight = math.nan
+    if isinstance(value, bool) or not 0 < weight <= MAX_WEIGHT:
+        raise InvalidRequest(
+            f"session_weight must be a number above 0 and at most {MAX_WEIGHT:g} (1 is "
+            f"the default share), got {value!r}",
+            param="session_weight",
+        )
+    return weight
+
+
+def weights_of(rows: Iterable[Row]) -> dict[Any, float]:
+    """Each share key's weight: its latest row's (rows in arrival order)."""
+    return {share_key(r): r.weight for r in sorted(rows, key=lambda r: r.id)}
+
+
+def next_head(
+    queue: deque[Row], admitted: Mapping[Any, int], weights: Mapping[Any, float] | None = None
+) -> Row:
     """The row admission considers next: the oldest queued row of the session
-    with the fewest ``admitted`` rows (ties: the session whose oldest row came
-    first). With no sessions, the queue's head."""
-    best, best_count, seen = queue[0], math.inf, set()
+    with the fewest ``admitted`` rows per unit of its weight (ties: the session
+    whose oldest row came first). With no sessions, the queue's head."""
+    weights = weights or {}
+    best, best_load, seen = queue[0], math.inf, set()
     for row in queue:
         key = share_key(row)
         if key in seen:
             continue
         seen.add(key)
-        count = admitted.get(key, 0)
-        if count < best_count:
-            best, best_count = row, count
-            if count == 0:
-                break  # nobody has fewer; the earliest such session wins
+        load = admitted.get(key, 0) / weights.get(key, 1.0)
+        if load < best_load:
+            best, best_load = row, load
+            if load == 0:
+                break  # nobody has less; the earliest such session wins
     return best
+
+
+def shares(demand: Mapping[Any, int], weights: Mapping[Any, float], cap: int) -> dict[Any, float]:
+    """Each key's fair share of ``cap`` slots: by weight, but never more than
+    its ``demand`` (rows admitted plus queued); what a key cannot use goes to
+    the others by weight (water filling)."""
+    out: dict[Any, float] = {}
+    left, free = float(cap), {k for k, d in demand.items() if d > 0}
+    while free:
+        total = sum(weights.get(k, 1.0) for k in free)
+        fair = {k: left * weights.get(k, 1.0) / total for k in free}
+        full = {k for k in free if demand[k] <= fair[k]}
+        if not full:
+            out.update(fair)
+            break
+        for k in full:
+            out[k] = float(demand[k])
+            left -= demand[k]
+        free -= full
+    return out
+
+
+@attrs.frozen
+class Starving:
+    """A waiting session below its share while the batch is full (see :func:`starving`)."""
+
+    held: collections.Counter  # admitted rows per share key
+    fair: dict[Any, float]  # each key's share
+    weights: dict[Any, float]
+
+
+def starving(
+    queue: deque[Row], admitted: Sequence[Row], *, cap: int, now: float, pause_after: float
+) -> Starving | None:
+    """Whether a row should be paused for the queue now: the batch is full, the
+    row admission would take next (:func:`next_head`) has waited ``pause_after``
+    seconds (since it was queued, or paused) and its session holds fewer slots
+    than the floor of its share (:func:`shares` of the admitted and queued rows)."""
+    batch = [r for r in admitted if r.lane is Lane.CONTINUOUS]
+    if not queue or len(batch) < cap or len(batch) != len(admitted):
+        return None  # a free slot (or a serial row, which the batch drains for)
+    held = collections.Counter(share_key(r) for r in batch)
+    weights = weights_of([*queue, *admitted])
+    head = next_head(queue, held, weights)
+    since = head.times.paused if head.times.paused is not None else head.times.submitted
+    if head.lane is not Lane.CONTINUOUS or now - since < pause_after:
+        return None
+    fair = shares(held + collections.Counter(share_key(r) for r in queue), weights, cap)
+    if held[share_key(head)] >= math.floor(fair[share_key(head)] + _EPS):
+        return None  # it holds its share already: it waits for a slot to free
+    return Starving(held, fair, weights)
+
+
+_EPS = 1e-9
+
+
+def to_pause(
+    queue: deque[Row],
+    admitted: Sequence[Row],
+    *,
+    cap: int,
+    now: float,
+    pause_after: float,
+) -> Row | None:
+    """The running row to pause now for a waiting session (:func:`starving`), or
+    None: the latest-arrived decoding row of the session furthest over its
+    share (per unit of weight). After the pause that session still holds at
+    least the floor of its share, so pausing never swings back and forth.
+    ``admitted`` are the admitted rows."""
+    s = starving(queue, admitted, cap=cap, now=now, pause_after=pause_after)
+    if s is None:
+        return None
+    over = sorted(
+        (k for k in s.held if s.held[k] > s.fair.get(k, 0.0) + _EPS),
+        key=lambda k: (s.held[k] - s.fair[k]) / s.weights.get(k, 1.0),
+        reverse=True,
+    )
+    for key in over:
+        decoding = [r for r in admitted if share_key(r) == key and r.phase is Phase.DECODING]
+        if decoding:
+            return max(decoding, key=lambda r: r.id)
+    return None
 
 
 def plan(
@@ -136,18 +253,21 @@ def plan(
     budget: int | None = None,
     live_bytes: int = 0,
     admitted: Mapping[Any, int] | None = None,
+    weights: Mapping[Any, float] | None = None,
 ) -> Plan:
     """Take the rows to admit now out of ``queue`` (mutates it).
 
     ``admitted`` counts the admitted rows per :func:`share_key`; the next row is
-    :func:`next_head`'s. That row is the head of line: when it does not fit
-    (slots, the serial lane, the KV budget) it holds every other row."""
+    :func:`next_head`'s (by ``weights``). That row is the head of line: when it
+    does not fit (slots, the serial lane, the KV budget) it holds every other
+    row. ``live_bytes`` counts paused rows' KV already: a paused head needs none."""
     counts = collections.Counter(admitted or {})
     to_batch: list[Row] = []
     to_serial = None
     while queue and not closing:
-        head = next_head(queue, counts)
-        if budget is not None and live_bytes + head.kv_projected > budget:
+        head = next_head(queue, counts, weights)
+        need = 0 if head.phase is Phase.PAUSED else head.kv_projected
+        if budget is not None and live_bytes + need > budget:
             break  # queue, don't OOM: it joins when enough live rows have left
         if head.lane is Lane.SERIAL:
             if in_batch + len(to_batch) == 0 and not serial_running and to_serial is None:
@@ -159,7 +279,7 @@ def plan(
         queue.remove(head)
         to_batch.append(head)
         counts[share_key(head)] += 1
-        live_bytes += head.kv_projected
+        live_bytes += need
     return Plan(tuple(to_batch), to_serial)
 
 
@@ -176,10 +296,15 @@ class Admission:
     to_prompt_cache: trio.MemorySendChannel | None  # gets Trim as the live KV moves
     max_queued: int = 64  # rows waiting beyond this are refused (Overloaded, HTTP 429)
     queue_timeout: float | None = None  # seconds a row may wait before it fails
-    _queue: deque[Row] = attrs.field(factory=deque, init=False)
+    pause_after: float | None = None  # see to_pause; None: never pause a row
+    _queue: deque[Row] = attrs.field(factory=deque, init=False)  # arrival order
     _lanes: dict[int, Lane] = attrs.field(factory=dict, init=False)  # admitted rows
-    _projected: dict[int, int] = attrs.field(factory=dict, init=False)  # their KV bytes
-    _shares: dict[int, Any] = attrs.field(factory=dict, init=False)  # their share_key
+    _admitted: dict[int, Row] = attrs.field(factory=dict, init=False)  # the same rows
+    # KV bytes of the admitted rows (their projection) and of the paused ones (held)
+    _projected: dict[int, int] = attrs.field(factory=dict, init=False)
+    _pausing: set[int] = attrs.field(factory=set, init=False)  # Pause sent, no answer yet
+    # An end request routed while its row was being paused: applied if it was.
+    _held: dict[int, Cancel | Finish] = attrs.field(factory=dict, init=False)
     _closing: bool = attrs.field(default=False, init=False)
 
     @property
@@ -196,7 +321,7 @@ class Admission:
             task_status.started()
             live = 0
             while True:
-                with trio.move_on_at(self._next_expiry()):
+                with trio.move_on_at(min(self._next_expiry(), self._next_pause())):
                     try:
                         message = await self.inbox.receive()
                     except trio.EndOfChannel:
@@ -204,6 +329,7 @@ class Admission:
                     await self.dispatch(message)
                 await self._expire()
                 await self._admit()
+                await self._pause()
                 now_live = sum(self._projected.values())
                 self._report(now_live)
                 if now_live != live:
@@ -211,24 +337,56 @@ class Admission:
                     self._trim_prompt_cache(live)
 
     def _report(self, live: int) -> None:
-        oldest = trio.current_time() - self._queue[0].times.submitted if self._queue else 0.0
+        waiting = self._waiting()
+        oldest = trio.current_time() - waiting[0].times.submitted if waiting else 0.0
+        paused = [r for r in self._queue if r.phase is Phase.PAUSED]
         self.stats.post(
             Gauge(Metric.PENDING_ROWS, len(self._queue)),
+            Gauge(Metric.PAUSED_ROWS, len(paused)),
+            Gauge(Metric.PAUSED_KV_BYTES, sum(r.work.nbytes for r in paused)),
             Gauge(Metric.ACTIVE_ROWS, len(self._lanes)),
             Gauge(Metric.KV_PROJECTED_BYTES, live),
             Gauge(Metric.QUEUE_OLDEST_WAIT, oldest),
         )
 
+    def _waiting(self) -> list[Row]:
+        """The queued rows that were never admitted, oldest first (paused rows
+        have run: the queue timeout is not theirs)."""
+        return [r for r in self._queue if r.phase is Phase.QUEUED]
+
     def _next_expiry(self) -> float:
-        if self.queue_timeout is None or not self._queue:
+        waiting = self._waiting() if self.queue_timeout is not None else None
+        if not waiting:
             return math.inf
-        return self._queue[0].times.submitted + self.queue_timeout
+        return waiting[0].times.submitted + self.queue_timeout
+
+    def _next_pause(self) -> float:
+        """When to look again for a row to pause: once the row admission takes
+        next will have waited ``pause_after``, or soon while a session starves
+        with no row to pause yet (the rows over their share still joining)."""
+        if self.pause_after is None or not self._queue or self._pausing:
+            return math.inf
+        head = next_head(self._queue, self._held_slots(), weights_of(self._rows()))
+        since = head.times.paused if head.times.paused is not None else head.times.submitted
+        now = trio.current_time()
+        if since + self.pause_after > now:
+            return since + self.pause_after
+        starved = starving(self._queue, list(self._admitted.values()), cap=self.cap, now=now,
+                           pause_after=self.pause_after)  # fmt: skip
+        return math.inf if starved is None else now + PAUSE_RETRY_SECONDS
+
+    def _held_slots(self) -> collections.Counter:
+        return collections.Counter(share_key(r) for r in self._admitted.values())
+
+    def _rows(self) -> list[Row]:
+        return [*self._queue, *self._admitted.values()]
 
     async def _expire(self) -> None:
         """Rows that waited longer than the queue timeout fail (oldest first)."""
         now = trio.current_time()
-        while self._queue and now >= self._next_expiry():
-            row = self._queue.popleft()
+        while now >= self._next_expiry():
+            row = self._waiting()[0]
+            self._queue.remove(row)
             waited = now - row.times.submitted
             detail = (
                 f"the request waited {waited:.1f} s in the queue, longer than the queue "
@@ -280,15 +438,27 @@ class Admission:
                         self.stats.post(Count(Metric.SUBMITTED))
                         self._queue.append(row)
             case Cancel(row_id, _) | Finish(row_id, _):
+                if row_id in self._pausing:
+                    self._held[row_id] = message
                 await self._route(row_id, message)
             case Left(row_id):
-                if row_id not in self._lanes:  # every admitted row leaves exactly once
-                    raise RuntimeError(f"row {row_id} left twice (or was never admitted)")
+                self._leave(row_id)
                 del self._projected[row_id]
-                del self._shares[row_id]
-                lane = self._lanes.pop(row_id)
-                if not any(v is lane for v in self._lanes.values()):
-                    self.gpu.give_lane(lane)
+                self._pausing.discard(row_id)
+                self._held.pop(row_id, None)
+            case Paused(row):
+                self._leave(row.id)  # its slot is free; its KV stays counted, held
+                self._pausing.discard(row.id)
+                held = self._held.pop(row.id, None)
+                if held is not None:  # ended while it was leaving the batch
+                    row.ask(held)
+                    await self._end_queued(row, row.end)
+                else:
+                    row.times.paused = trio.current_time()
+                    self._requeue(row)
+            case NotPaused(row_id):
+                self._pausing.discard(row_id)
+                self._held.pop(row_id, None)  # routed to its owner as well
             case Shutdown(reason):
                 self._closing = True
                 for row_id in [r.id for r in self._queue] + list(self._lanes):
@@ -296,8 +466,25 @@ class Admission:
             case _:
                 raise TypeError(f"admission got an unexpected message: {message!r}")
 
+    def _leave(self, row_id: int) -> None:
+        """An admitted row gave its slot back (it ended, or was paused)."""
+        if row_id not in self._lanes:  # every admitted row leaves exactly once
+            raise RuntimeError(f"row {row_id} left twice (or was never admitted)")
+        del self._admitted[row_id]
+        lane = self._lanes.pop(row_id)
+        if not any(v is lane for v in self._lanes.values()):
+            self.gpu.give_lane(lane)
+
+    def _requeue(self, row: Row) -> None:
+        """A paused row goes back in arrival order: first of its session's waiting rows."""
+        at = next((i for i, r in enumerate(self._queue) if r.id > row.id), len(self._queue))
+        self._queue.insert(at, row)
+
     async def _end_queued(self, row: Row, end: End) -> None:
+        """A queued (or paused) row ends here; a paused row's kept KV goes with it."""
         row.ask_end(end)
+        row.work = None
+        self._projected.pop(row.id, None)
         row.move(Phase.ENDED)
         await self.to_emitter.send(Ended(row))
 
@@ -308,6 +495,9 @@ class Admission:
                 if isinstance(message, Cancel):
                     self._queue.remove(row)
                     await self._end_queued(row, End(FinishReason.CANCELLED, message.reason))
+                elif row.phase is Phase.PAUSED:  # a stop string in what it wrote before
+                    self._queue.remove(row)
+                    await self._end_queued(row, End(message.reason, message.detail))
                 return
         lane = self._lanes.get(row_id)
         if lane is Lane.CONTINUOUS:
@@ -325,15 +515,34 @@ class Admission:
             closing=self._closing,
             budget=self.budget,
             live_bytes=sum(self._projected.values()),
-            admitted=collections.Counter(self._shares.values()),
+            admitted=self._held_slots(),
+            weights=weights_of(self._rows()),
         )
         now = trio.current_time()
         for row in (*p.to_batch, *([p.to_serial] if p.to_serial else [])):
             if self.gpu.lane is not row.lane:
                 self.gpu.take_lane(row.lane)
             self._lanes[row.id] = row.lane
+            self._admitted[row.id] = row
             self._projected[row.id] = row.kv_projected
-            self._shares[row.id] = share_key(row)
-            self.stats.post(Observe(Metric.QUEUE_WAIT, now - row.times.submitted))
+            if row.phase is Phase.PAUSED:
+                self.stats.post(Count(Metric.RESUMED))
+            else:
+                self.stats.post(Observe(Metric.QUEUE_WAIT, now - row.times.submitted))
             target = self.to_serial if row.lane is Lane.SERIAL else self.to_prefill
             await target.send(Submit(row))
+
+    async def _pause(self) -> None:
+        """Ask decode to pause the row :func:`to_pause` picks, if any (one at a time)."""
+        if self.pause_after is None or self._pausing or self._closing:
+            return
+        row = to_pause(
+            self._queue,
+            list(self._admitted.values()),
+            cap=self.cap,
+            now=trio.current_time(),
+            pause_after=self.pause_after,
+        )
+        if row is not None:
+            self._pausing.add(row.id)
+            await self.to_prefill.send(Pause(row.id))  # prefill forwards it to decode

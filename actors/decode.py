@@ -28,7 +28,7 @@ from .mailbox import closing
 from .prefill import Join
 from .prompt_cache import Put, worth_keeping
 from .request import FinishReason
-from .row import Cancel, End, Finish, Phase, Row
+from .row import Cancel, End, Finish, NotPaused, Pause, Paused, Phase, Row
 from .rows import Batch, Sampled
 from .stats import Count, Gauge, Metric, Observe, Stats
 
@@ -58,6 +58,23 @@ class LeaveResult:
     kv_bytes: int
     padding_waste: float
     copied: int  # KV bytes the leave copied (filter, extract)
+
+
+@attrs.frozen
+class PauseResult:
+    alone: list[Batch]  # each paused row's own one-row batch, in the order asked
+    layout: list[int | None]
+    kv_bytes: int
+    padding_waste: float
+    copied: int
+
+
+def _take_out(batch: Batch, rows: list[int]) -> PauseResult:
+    """Rows at ``rows`` leave the batch with their state kept (GPU thread)."""
+    before = batch.copied
+    alone = batch.take_out(rows)
+    copied = batch.copied - before
+    return PauseResult(alone, batch.layout(), batch.nbytes, batch.padding_waste(), copied)
 
 
 @attrs.frozen
@@ -118,7 +135,7 @@ class Decode:
     model: Any
     gpu: Gpu
     stats: Stats
-    inbox: trio.MemoryReceiveChannel  # Join, Cancel, Finish
+    inbox: trio.MemoryReceiveChannel  # Join, Cancel, Finish, Pause
     to_emitter: trio.MemorySendChannel
     to_admission: trio.MemorySendChannel
     to_prompt_cache: trio.MemorySendChannel | None
@@ -128,6 +145,7 @@ class Decode:
     _joining: list[Join] = attrs.field(factory=list, init=False)  # FIFO
     _turns: int = attrs.field(default=0, init=False)  # GPU turns taken
     _retired_turns: int = attrs.field(default=0, init=False)  # turns with a retired slot
+    _pausing: list[int] = attrs.field(factory=list, init=False)  # row ids asked to pause
 
     def __attrs_post_init__(self) -> None:
         self._batch = Batch(self.model)
@@ -145,10 +163,12 @@ class Decode:
                         break
                 await self._turn()
 
-    def _take(self, message: Join | Cancel | Finish) -> None:
+    def _take(self, message: Join | Cancel | Finish | Pause) -> None:
         match message:
             case Join():
                 self._joining.append(message)
+            case Pause(row_id):
+                self._pausing.append(row_id)
             case Cancel(row_id) | Finish(row_id):
                 joining = (r for j in self._joining for r in j.rows)
                 for row in (*self._rows, *joining):
@@ -160,6 +180,8 @@ class Decode:
 
     async def _turn(self) -> None:
         await self._leave()
+        if self._pausing:
+            await self._pause()
         joins, self._joining = self._joining, []
         taking, joined, gone, saving = [], [], [], []
         for join in joins:
@@ -269,6 +291,38 @@ class Decode:
         for row in gone:
             await self._free(row, announced=row.id in announced)
         return True
+
+    async def _pause(self) -> None:
+        """Rows admission asked to pause leave the batch with their KV and pending
+        token on the row (``row.work``) and go back to admission, which queues them
+        to resume; a row that is not decoding (joining, ending, gone) stays."""
+        asked, self._pausing = set(self._pausing), []
+        rows = [
+            i for i, r in enumerate(self._rows) if r is not None and r.id in asked and r.end is None
+        ]
+        found = {self._rows[i].id for i in rows}
+        for row_id in asked - found:
+            await self.to_admission.send(NotPaused(row_id))
+        if not rows:
+            return
+        paused = [self._rows[i] for i in rows]
+        try:
+            out = await self.gpu.call(_take_out, self._batch, rows)
+        except Exception as exc:
+            await self._fault(exc)
+            for row in paused:
+                await self.to_admission.send(NotPaused(row.id))
+            return
+        for row, alone in zip(paused, out.alone, strict=True):
+            row.work = alone
+            row.move(Phase.PAUSED)
+        self._relayout(out.layout)
+        self._report(out.kv_bytes, out.padding_waste)
+        self.stats.post(Count(Metric.PAUSED, len(paused)))
+        if out.copied:
+            self.stats.post(Count(Metric.KV_COPIED_BYTES, out.copied))
+        for row in paused:
+            await self.to_admission.send(Paused(row))
 
     def _live(self) -> list[Row]:
         return [r for r in self._rows if r is not None]

@@ -26,7 +26,7 @@ import attrs
 import trio
 
 from . import admission, decode, disk_cache, emitter, prefill, prompt_cache, serial
-from .admission import Admission, Enqueue, Refused, Shutdown
+from .admission import Admission, Enqueue, Refused, Shutdown, session_weight
 from .budget import auto_budget
 from .constrain import ll_tokenizer
 from .decode import Decode
@@ -77,8 +77,9 @@ class Engine:
         ``params`` are :class:`SamplingParams` fields (``stop`` may be a string),
         plus ``request_id`` (the caller's label), ``session`` (the agent session
         it belongs to: sessions share the batch's slots, see ``admission.py``) and
-        ``parent`` (the session that one runs under, for :meth:`cancel_session`),
-        all kept on the row for dashboards and logs.
+        ``parent`` (the session that one runs under, for :meth:`cancel_session`)
+        and ``session_weight`` (its session's weight in sharing the slots, default
+        1), all kept on the row for dashboards and logs.
         Raises :class:`InvalidRequest` at once for a request the engine cannot run,
         and :class:`Overloaded` while the queue is full: that is checked first, so
         shedding load costs no rendering or tokenizing (the stream's ``start``
@@ -93,8 +94,9 @@ class Engine:
             self.stats_actor.post(Count(Metric.OVERLOADED))
             raise _overloaded(refused)
         request_id, session = params.pop("request_id", None), params.pop("session", None)
-        parent = params.pop("parent", None)
+        parent, weight = params.pop("parent", None), params.pop("session_weight", None)
         try:
+            weight = None if weight is None else session_weight(weight)
             row, receive = self.intake.row(prompt, params)
         except InvalidRequest:
             self.stats_actor.post(Count(Metric.REJECTED))
@@ -102,6 +104,8 @@ class Engine:
         row.request_id = None if request_id is None else str(request_id)
         row.session = None if session is None else str(session)
         row.parent = None if parent is None or row.session is None else str(parent)
+        if weight is not None:
+            row.weight = weight
         self._live[row.id] = row
         return RequestStream(self, row, row.id, row.params, receive, len(row.prompt))
 
@@ -313,6 +317,8 @@ async def open_engine(
             return
         if sharded:
             gpu.replica = await gpu.call_here(lead, loaded, group)
+            # Followers do not mirror a paused row's one-row batch (yet): never pause.
+            settings = attrs.evolve(settings, pause_after=None)
         if settings.context_length is not None:
             info = attrs.evolve(info, context_length=settings.context_length)
         budget = settings.kv_budget
@@ -398,6 +404,7 @@ def _wire(
         to_prompt_cache=to_cache(),
         max_queued=settings.queue_limit,
         queue_timeout=settings.queue_timeout,
+        pause_after=settings.pause_after,
     )
     actors: list[Any] = [
         stats,

@@ -5,7 +5,9 @@ and it moves between actors inside the message that hands it over:
 
     engine.submit -> admission (QUEUED) -> prefill (PREFILLING) -> decode (JOINING,
     DECODING); or admission -> serial (SERIAL); then the owner ends it (ENDED)
-    and hands it to the emitter, which sends its one terminal event.
+    and hands it to the emitter, which sends its one terminal event. A decoding
+    row may be paused to make room for another session (decode -> admission,
+    PAUSED, its KV kept on the row) and resumed (-> prefill -> decode, JOINING).
 
 Only the owner writes the row's mutable fields. The emitter reads the fixed
 fields (id, prompt, params, events) of a row it is handed tokens for, and the
@@ -36,6 +38,7 @@ class Phase(enum.Enum):
     JOINING = "joining"  # decode: primed, waiting for the next turn to join
     DECODING = "decoding"  # decode: in the running batch
     SERIAL = "serial"  # serial lane: generate_step, alone on the GPU
+    PAUSED = "paused"  # admission's queue again, its KV and pending token on the row
     ENDED = "ended"  # handed to the emitter with its end
 
 
@@ -43,8 +46,9 @@ _NEXT = {
     Phase.QUEUED: {Phase.PREFILLING, Phase.SERIAL, Phase.ENDED},
     Phase.PREFILLING: {Phase.JOINING, Phase.ENDED},
     Phase.JOINING: {Phase.DECODING, Phase.ENDED},
-    Phase.DECODING: {Phase.ENDED},
+    Phase.DECODING: {Phase.PAUSED, Phase.ENDED},
     Phase.SERIAL: {Phase.ENDED},
+    Phase.PAUSED: {Phase.JOINING, Phase.ENDED},
     Phase.ENDED: set(),
 }
 
@@ -82,6 +86,26 @@ class Finish:
     detail: str | None = None
 
 
+@attrs.frozen
+class Pause:
+    """admission -> decode (through prefill): take a decoding row out of the
+    batch, its KV and pending token kept, to give its slot to another session.
+    Decode answers :class:`Paused`, or :class:`NotPaused` when the row is not
+    decoding (still joining, ending, gone)."""
+
+    row_id: int
+
+
+@attrs.frozen
+class Paused:
+    row: Row
+
+
+@attrs.frozen
+class NotPaused:
+    row_id: int
+
+
 @attrs.define(eq=False, repr=False)
 class RowTimes:
     """Clock readings (``trio.current_time()``), each written once by the row's owner."""
@@ -89,6 +113,7 @@ class RowTimes:
     submitted: float  # engine.submit
     prefill_started: float | None = None  # prefill / serial
     prefill_ended: float | None = None  # prefill / serial
+    paused: float | None = None  # admission: when it was last paused (None: never)
 
 
 @attrs.define(eq=False)
@@ -111,6 +136,7 @@ class Row:
     request_id: str | None = None  # the client's label for it (dashboards, logs)
     session: str | None = None  # the agent session it belongs to (a client's hint)
     parent: str | None = None  # the session that session runs under (a sub-agent's tree)
+    weight: float = 1.0  # its session's weight in sharing the slots (see admission.py)
     phase: Phase = Phase.QUEUED
     cached_tokens: int = 0  # prompt tokens taken from the prompt cache
     cache_report: CacheReport | None = attrs.field(default=None, repr=False)  # and why
@@ -118,7 +144,8 @@ class Row:
     # token is read once it has also been fed: these are exactly what the KV holds.
     tokens: list[int] = attrs.field(factory=list, repr=len)
     # The current phase's GPU-thread state, touched only inside gpu.call: a
-    # ``rows.Prefill`` while PREFILLING, the primed one-row ``rows.Batch`` while JOINING.
+    # ``rows.Prefill`` while PREFILLING, the primed one-row ``rows.Batch`` while JOINING
+    # (and while PAUSED: the row's own KV and pending token, taken out of the batch).
     work: Prefill | Batch | None = attrs.field(default=None, repr=False)
     end: End | None = None  # set once, by ask_end
 
@@ -162,6 +189,7 @@ class RowView:
     request_id: str | None
     session: str | None
     parent: str | None
+    weight: float  # its session's weight in sharing the slots
     lane: str
     phase: str
     prompt_tokens: int
@@ -187,6 +215,7 @@ def view(row: Row, now: float) -> RowView:
         request_id=row.request_id,
         session=row.session,
         parent=row.parent,
+        weight=row.weight,
         lane=str(row.lane),
         phase=row.phase.value,
         prompt_tokens=len(row.prompt),
@@ -208,12 +237,20 @@ class SessionView:
     rows: tuple[RowView, ...]
 
     @property
+    def weight(self) -> float:
+        return self.rows[-1].weight  # its latest row's
+
+    @property
     def queued(self) -> int:
         return sum(1 for r in self.rows if r.phase == Phase.QUEUED.value)
 
     @property
+    def paused(self) -> int:
+        return sum(1 for r in self.rows if r.phase == Phase.PAUSED.value)
+
+    @property
     def running(self) -> int:
-        return len(self.rows) - self.queued
+        return len(self.rows) - self.queued - self.paused
 
 
 def sessions(rows: list[RowView]) -> list[SessionView]:

@@ -290,6 +290,19 @@ class Batch:
             self.filter([i for i, s in enumerate(self.slots) if i not in gone and not s.dead])
         return saved
 
+    def take_out(self, rows: Sequence[int]) -> list[Batch]:
+        """Rows at ``rows`` leave with their whole state, each as a one-row batch
+        on solo caches (its KV, its slot, its pending token): what a primed
+        joiner is, so it can join again and go on exactly where it stopped."""
+        kept = [(self.slots[i], self.next_tokens[i : i + 1], self.next_logprobs[i]) for i in rows]
+        saved = self.retire(rows, rows)
+        out = []
+        for caches, (slot, pending, logprobs) in zip(saved, kept, strict=True):
+            alone = Batch(self.model, [slot], caches, batched=False)
+            alone.next_tokens, alone.next_logprobs = pending, [logprobs]
+            out.append(alone)
+        return out
+
     def compact(self) -> None:
         """Drop the retired slots (a copy of the rows that stay)."""
         if self.dead:

@@ -72,6 +72,10 @@ def _at_least(n: int, *, optional: bool = False):
     return check
 
 
+def _off_or_float(text: str) -> float | None:
+    return None if text.strip().lower() in ("off", "none") else float(text)
+
+
 def _dtype(_, attribute, value) -> None:
     if value is not None and value not in DTYPES:
         raise InvalidRequest(
@@ -172,6 +176,12 @@ class EngineSettings:
     queue_timeout: float | None = setting(
         None, validator=_seconds(optional=True), parse=float, shown="none",
         help="seconds a request may wait in the queue before it fails (HTTP 503)",
+    )  # fmt: skip
+    pause_after: float | None = setting(
+        0.5, validator=_seconds(optional=True), parse=_off_or_float,
+        help="seconds a session below its share of the batch waits for a free slot before "
+        "a row of a session over its share is paused for it (its KV kept, resumed "
+        "token-exact); off never pauses",
     )  # fmt: skip
     # A GPU call running longer than this marks the engine unhealthy (/health 503).
     step_timeout: float = setting(

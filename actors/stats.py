@@ -100,14 +100,21 @@ class Metric(enum.Enum):
         Kind.COUNTER, "kv_copied_bytes", "KV bytes copied by batch joins and leaves."
     )
     REFILLED = (Kind.COUNTER, "joins_in_place", "Joiners written over a retired batch slot.")
+    PAUSED = (
+        Kind.COUNTER, "rows_paused",
+        "Decoding rows paused (KV kept) to give their slot to a session below its share.",
+    )  # fmt: skip
+    RESUMED = (Kind.COUNTER, "rows_resumed", "Paused rows that rejoined the batch.")
     # gauges (each has one writer: admission the rows, decode batch_*, prefill
     # prefill_*, serial serial_*)
     ACTIVE_ROWS = (Kind.GAUGE, "active_rows", "Requests admitted and not finished.")
     PENDING_ROWS = (Kind.GAUGE, "pending_rows", "Requests queued for admission.")
+    PAUSED_ROWS = (Kind.GAUGE, "paused_rows", "Paused rows waiting to resume (in pending_rows).")
     DECODING_ROWS = (Kind.GAUGE, "decoding_rows", "Rows in the continuous batch.")
     BATCH_KV_BYTES = (Kind.GAUGE, None, "KV bytes of the continuous batch.")
     PREFILL_KV_BYTES = (Kind.GAUGE, None, "KV bytes of the prefills in flight.")
     SERIAL_KV_BYTES = (Kind.GAUGE, None, "KV bytes of the serial lane's row.")
+    PAUSED_KV_BYTES = (Kind.GAUGE, None, "KV bytes the paused rows keep.")
     PADDING_WASTE = (
         Kind.GAUGE, "padding_waste_ratio", "Fraction of the batch KV width that is padding."
     )
@@ -231,14 +238,15 @@ class StatsSnapshot:
     configured: int  # the --batch cap
     mode: Mode
     active_rows: int  # admitted and not finished: prefilling, decoding or serial
-    pending_rows: int  # queued, not yet admitted
+    pending_rows: int  # queued, not yet admitted (paused rows included)
+    paused_rows: int  # paused to give another session its share, waiting to resume
     decoding_rows: int  # rows in the continuous batch
     submitted: int
     finished: int
     errored: int
     cancelled: int
     rejected: int  # refused at submit (never admitted; not in the ledger)
-    kv_bytes: int  # live KV: the batch, prefills in flight, the serial row (prompt cache apart)
+    kv_bytes: int  # live KV: the batch, prefills, the serial row, paused rows (not the cache)
     kv_budget_bytes: int | None
     kv_projected_bytes: int  # worst case of the admitted rows, what the budget is held to
     padding_waste: float  # fraction of the batch KV width that is left padding
@@ -276,6 +284,8 @@ class StatsSnapshot:
     prefilled_together: int  # rows whose prompts were prefilled as one padded batch
     kv_copied_bytes: int  # KV bytes copied by the batch's joins and leaves
     refilled: int  # joiners written in place over a finished row's retired slot
+    paused: int  # decoding rows paused (KV kept) for a session below its share
+    resumed: int  # paused rows that rejoined the batch
     time_to_first_token: HistogramSnapshot
     queue_wait: HistogramSnapshot
     step_time: HistogramSnapshot
@@ -353,7 +363,8 @@ class Stats:
 
     def snapshot(self) -> StatsSnapshot:
         c, g, h = self._counters, self._gauges, self._histograms
-        kv = g[Metric.BATCH_KV_BYTES] + g[Metric.PREFILL_KV_BYTES] + g[Metric.SERIAL_KV_BYTES]
+        kv = sum(g[m] for m in (Metric.BATCH_KV_BYTES, Metric.PREFILL_KV_BYTES,
+                                Metric.SERIAL_KV_BYTES, Metric.PAUSED_KV_BYTES))  # fmt: skip
         gauges = {m.key: float(g[m]) if m in _FRACTIONAL else int(g[m]) for m in GAUGES
                   if m.exposed is not None}  # fmt: skip
         return StatsSnapshot(

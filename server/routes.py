@@ -129,16 +129,18 @@ class Routes:
                      ", ".join(parsed.ignored_tools))  # fmt: skip
         try:
             parent = request.headers.get(PARENT_HEADER)
+            weight = request.headers.get(WEIGHT_HEADER)
             stream = engine.submit(
                 parsed.prompt, request_id=request_id, session=parsed.session, parent=parent,
-                **parsed.params,
+                session_weight=weight, **parsed.params,
             )  # fmt: skip
             stream.on_end = self._on_end(engine, parsed, request_id, api.name)
             await stream.start()
         except ContextOverflow as exc:
             raise api.context_error(exc, parsed.field(exc.param)) from None
         except InvalidRequest as exc:
-            raise bad(str(exc), parsed.field(exc.param)) from None
+            param = WEIGHT_HEADER if exc.param == "session_weight" else parsed.field(exc.param)
+            raise bad(str(exc), param) from None
         except Overloaded as exc:
             raise ApiError(
                 429, str(exc), type="rate_limit_error", code="queue_full",
@@ -258,6 +260,8 @@ class Routes:
 # A sub-agent's request names the session it runs under (Claude Code's sub-agents
 # share its session id; a harness that gives each its own can link them so).
 PARENT_HEADER = "X-Parent-Session-Id"
+# The session's weight in sharing the batch's slots (1 by default; see docs/sessions.md).
+WEIGHT_HEADER = "X-Session-Weight"
 
 
 def session_json(s: SessionView) -> dict:
@@ -266,7 +270,9 @@ def session_json(s: SessionView) -> dict:
         "id": s.id,
         "object": "session",
         "parent": s.parent,
+        "weight": s.weight,
         "queued": s.queued,
+        "paused": s.paused,
         "running": s.running,
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
         "cached_tokens": sum(r["cached_tokens"] for r in rows),

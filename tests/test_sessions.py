@@ -3,9 +3,11 @@ tree, the live sessions listed (``docs/sessions.md``)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
+import pytest
 import trio
 from conftest import checked_engine, running_server
 from mlx_nursery.actors import FinishReason
@@ -143,3 +145,74 @@ async def test_an_active_sessions_history_stays_cached_through_anothers_churn():
     assert cached >= history - 1  # all of it (the last token may be fed again)
     cached, _ = await churn_then_return(None)  # the same without a session
     assert cached == 0
+
+
+async def paused_and_resumed(family: str) -> tuple[dict, dict, object]:
+    """Session A decodes two rows in both slots; B arrives and waits past
+    ``pause_after``: one of A's rows is paused for it, then resumes. Returns A's
+    results, the same prompts run alone, and the stats."""
+    prompts = {"a0": [7, 8, 9] * 12, "a1": [30, 31] * 20}
+    extra = {"a0": {"repetition_penalty": 1.3}, "a1": {"logprobs": True, "top_logprobs": 2}}
+    results = {}
+    async with checked_engine(family, batch=2, pause_after=0.05) as engine:
+        alone = {n: await engine.generate(p, max_tokens=60, logit_bias=NO_END, **extra[n])
+                 for n, p in prompts.items()}  # fmt: skip
+
+        async def run(name, session, prompt, **kw):
+            results[name] = await engine.generate(prompt, session=session, logit_bias=NO_END,
+                                                  **kw)  # fmt: skip
+
+        async with trio.open_nursery() as nursery:
+            for name, prompt in prompts.items():
+                nursery.start_soon(functools.partial(
+                    run, name, "A", prompt, max_tokens=60, **extra[name]))  # fmt: skip
+            with trio.fail_after(30):
+                while sum(r.phase == "decoding" for r in engine.live()) < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+            nursery.start_soon(functools.partial(run, "b", "B", [50] * 20, max_tokens=4))
+        stats = engine.stats()
+    return results, alone, stats
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "falcon_h1"])
+async def test_a_row_paused_for_another_session_resumes_token_exact(family):
+    results, alone, stats = await paused_and_resumed(family)
+    assert stats.paused >= 1 and stats.resumed == stats.paused, stats
+    for name in ("a0", "a1"):
+        assert results[name].tokens == alone[name].tokens, name
+        assert results[name].finish_reason is FinishReason.LENGTH
+    assert results["a1"].logprobs == pytest.approx(alone["a1"].logprobs, abs=1e-4)
+    assert results["b"].usage.queue_wait < 5
+
+
+async def test_a_paused_row_cancelled_ends_and_frees_its_kv():
+    ended = {}
+    async with checked_engine("llama", batch=2, pause_after=0.05) as engine:
+
+        async def run(name, session, prompt, max_tokens):
+            ended[name] = await engine.generate(prompt, session=session, logit_bias=NO_END,
+                                                max_tokens=max_tokens)  # fmt: skip
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a0", "A", [7] * 30, 3000)
+            nursery.start_soon(run, "a1", "A", [8] * 30, 3000)
+            with trio.fail_after(30):
+                while sum(r.phase == "decoding" for r in engine.live()) < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+            nursery.start_soon(run, "b", "B", [50] * 20, 3000)
+            with trio.fail_after(30):
+                await engine.stats_actor.wait_for(lambda s: s.paused_rows == 1)
+            (paused,) = [r for r in engine.live() if r.phase == "paused"]
+            assert paused.session == "A" and paused.tokens > 0
+            listed = {s.id: s for s in engine.sessions()}
+            assert listed["A"].paused == 1 and listed["A"].running == 1
+            assert engine.stats().kv_bytes > 0
+            assert engine.cancel_session("A") == 2
+            with trio.fail_after(10):
+                while len(ended) < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            assert engine.stats().paused_rows == 0
+            assert engine.cancel_session("B") == 1
+    assert {n: r.finish_reason for n, r in ended.items()} == dict.fromkeys(
+        ("a0", "a1", "b"), FinishReason.CANCELLED
+    )

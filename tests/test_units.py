@@ -10,7 +10,7 @@ import attrs
 import pytest
 import trio
 from mlx_nursery.actors import InvalidRequest
-from mlx_nursery.actors.admission import plan
+from mlx_nursery.actors.admission import plan, session_weight, shares, to_pause
 from mlx_nursery.actors.emitter import _split_stop
 from mlx_nursery.actors.gpu import Gpu
 from mlx_nursery.actors.prefill import MIN_SHARED, PRIMES_PER_TURN, plan_turn
@@ -97,6 +97,95 @@ def test_plan_the_chosen_head_holds_admission_when_it_does_not_fit():
     p = plan(q, cap=8, in_batch=1, serial_running=False, closing=False, budget=1000,
              live_bytes=200, admitted={"A": 1})  # fmt: skip
     assert p.to_batch == () and ids(q) == [0, 1, 2]  # B is next, and waits for room
+
+
+def test_plan_weights_share_free_slots_in_proportion():
+    heavy = [of("A", i) for i in range(6)]
+    for r in heavy:
+        r.weight = 2.0
+    q = deque([*heavy, *(of("B", i) for i in range(6, 12))])
+    p = plan(q, cap=6, in_batch=0, serial_running=False, closing=False,
+             weights={"A": 2.0, "B": 1.0})  # fmt: skip
+    sessions = [r.session for r in p.to_batch]
+    assert sessions.count("A") == 4 and sessions.count("B") == 2, sessions
+
+
+def test_plan_a_paused_head_needs_no_new_kv():
+    paused = of("A", 0)
+    paused.phase, paused.kv_projected = Phase.PAUSED, 900  # its KV is held already
+    q = deque([paused])
+    p = plan(q, cap=8, in_batch=1, serial_running=False, closing=False, budget=1000,
+             live_bytes=950, admitted={"B": 1})  # fmt: skip
+    assert ids(p.to_batch) == [0]
+
+
+def test_shares_fill_by_weight_up_to_each_demand():
+    assert shares({"A": 12, "B": 1}, {}, 4) == {"A": 3.0, "B": 1.0}
+    assert shares({"A": 12, "B": 12}, {}, 4) == {"A": 2.0, "B": 2.0}
+    assert shares({"A": 12, "B": 12}, {"A": 3.0}, 4) == {"A": 3.0, "B": 1.0}
+    fair = shares({"A": 5, "B": 5, "C": 5}, {}, 4)
+    assert all(abs(v - 4 / 3) < 1e-9 for v in fair.values())
+    assert shares({"A": 1, "B": 1}, {}, 8) == {"A": 1.0, "B": 1.0}  # slots left over
+    assert shares({"A": 0}, {}, 4) == {}
+
+
+def running(session, i, phase=Phase.DECODING):
+    r = of(session, i)
+    r.phase = phase
+    return r
+
+
+def test_to_pause_takes_the_latest_decoding_row_of_the_session_over_its_share():
+    admitted = [running("A", i) for i in range(4)]
+    q = deque([*(of("A", i) for i in range(4, 12)), of("B", 12)])  # B came at t=0
+    assert to_pause(q, admitted, cap=4, now=0.3, pause_after=0.5) is None  # not yet
+    assert to_pause(q, admitted, cap=4, now=0.5, pause_after=0.5).id == 3
+    admitted[3].phase = Phase.JOINING  # not decoding: the next latest goes
+    assert to_pause(q, admitted, cap=4, now=0.5, pause_after=0.5).id == 2
+    free = admitted[:3]  # a slot is free: B takes it, nothing is paused
+    assert to_pause(q, free, cap=4, now=9.0, pause_after=0.5) is None
+
+
+def test_to_pause_never_swings_back_and_forth():
+    # A was paused for B: A holds 3 of 4 (its share), B 1; A's paused row waits.
+    paused = of("A", 3)
+    paused.phase, paused.times.paused = Phase.PAUSED, 0.0
+    admitted = [running("A", 0), running("A", 1), running("A", 2), running("B", 12)]
+    q = deque([paused, *(of("A", i) for i in range(4, 12))])
+    assert to_pause(q, admitted, cap=4, now=9.0, pause_after=0.5) is None
+    # three sessions over four slots (shares 4/3): the one with none takes one
+    # from a session with two, and then nobody is below the floor of its share
+    admitted = [running("A", 0), running("A", 1), running("B", 2), running("B", 3)]
+    q = deque([of("A", 4), of("B", 5), of("C", 6)])
+    victim = to_pause(q, admitted, cap=4, now=9.0, pause_after=0.5)
+    assert victim.session in ("A", "B")
+    admitted.remove(victim)
+    admitted.append(running("C", 6))
+    victim.phase = Phase.PAUSED
+    q = deque([victim, of("A", 4), of("B", 5)])
+    assert to_pause(q, admitted, cap=4, now=9.0, pause_after=0.5) is None
+
+
+def test_to_pause_leaves_fifo_alone_and_weights_move_the_share():
+    admitted = [running(None, i) for i in range(4)]
+    q = deque([of(None, 4), of(None, 5)])
+    assert to_pause(q, admitted, cap=4, now=9.0, pause_after=0.5) is None  # FIFO
+    # B weighs 3: its share of 4 slots is 3 against A's 1
+    admitted = [running("A", 0), running("A", 1), running("A", 2), running("B", 3)]
+    bs = [of("B", i) for i in (4, 5)]
+    for r in (*bs, admitted[3]):
+        r.weight = 3.0
+    q = deque([of("A", 6), *bs])
+    assert to_pause(q, admitted, cap=4, now=9.0, pause_after=0.5).id == 2
+    serial = [*admitted[:3], row(9, Lane.SERIAL)]
+    assert to_pause(q, serial, cap=4, now=9.0, pause_after=0.5) is None
+
+
+def test_session_weight_is_checked():
+    assert session_weight("2.5") == 2.5
+    for bad in ("0", "-1", "nan", "inf", "heavy", True, 10_000):
+        with pytest.raises(InvalidRequest, match="session_weight must be"):
+            session_weight(bad)
 
 
 def test_plan_admits_nothing_while_closing():
