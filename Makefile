@@ -90,6 +90,7 @@ bench: install openblas
 	$(BIN)/python bench/benchsuite.py --scale-out
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --overload
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --real --restart --repeats 2
+	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --flood --repeats 2
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
 # prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.

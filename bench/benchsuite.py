@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -952,6 +953,87 @@ def restart(models: list[tuple[str, str]], tokens: int, repeats: int) -> None:
     _write_section("restart", body)
 
 
+FLOOD_FLAGS = ("--batch", "4", "--prompt-cache-bytes", "96M")
+
+
+def flood_server(model: str, *flags: str) -> Server:
+    return Server(
+        "mlx-nursery",
+        [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", model,
+         *FLOOD_FLAGS, *flags, "--log-level", "WARNING"],
+        free_port(),
+        env={"MLX_NURSERY_KV_DIR": tempfile.mkdtemp(prefix="flood-kv-")},
+    )  # fmt: skip
+
+
+def _against(values: list[float], base: float, digits: int) -> str:
+    """The median of ``values`` and its ratio to ``base``."""
+    if not values:
+        return "-"
+    m = statistics.median(values)
+    return f"{m:.{digits}f} ({m / base:.2f}x)"
+
+
+def flood(model: str, label: str, repeats: int) -> None:
+    """Issue #25's flood (``server/flood.py``): B's turns alone, A's sub-agents
+    alone, then both, with sessions (pausing on, and off) and without (every
+    request alone: one FIFO); each run on a fresh server (batch 4, a 96 MB
+    prompt-cache cap, no disk tier carried over)."""
+    from mlx_nursery.server.flood import FloodSpec, run_flood
+
+    cases = {
+        "B alone": ((), {"agents": False}),
+        "A alone": ((), {"main": False}),
+        "sessions, pausing": ((), {}),
+        "sessions, no pausing": (("--pause-after", "off"), {}),
+        "one FIFO (no session header)": ((), {"sessions": False}),
+    }
+    runs: dict[str, list] = {name: [] for name in cases}
+    for r in range(repeats):
+        for name, (flags, how) in cases.items():
+            sides = {k: v for k, v in how.items() if k != "sessions"}
+            with flood_server(model, *flags) as server:
+                spec = FloodSpec(url=server.url, seed=r, sessions=how.get("sessions", True))
+                report = trio.run(functools.partial(run_flood, spec, **sides))
+            runs[name].append(report)
+            turns = ", ".join(f"{t:.2f}" for t in report.turn_seconds)
+            cached = ", ".join(f"{c:.2f}" for c in report.history_cached)
+            rate = report.agent_tokens_per_second
+            print(f"  flood {name}: B turns [{turns}] s, cached [{cached}], A "
+                  f"{'-' if rate is None else f'{rate:.1f}'} tok/s, paused {report.paused}, "
+                  f"errors {len(report.errors)}", flush=True)  # fmt: skip
+    solo = statistics.median(t for rep in runs["B alone"] for t in rep.turn_seconds)
+    alone = statistics.median(rep.agent_tokens_per_second for rep in runs["A alone"])
+    rows = []
+    for name, reps in runs.items():
+        turns = [t for rep in reps for t in rep.turn_seconds]
+        cached = [c for rep in reps for c in rep.history_cached]
+        rates = [rep.agent_tokens_per_second for rep in reps if rep.agent_tokens_per_second]
+        b = _against(turns, solo, 2)
+        c = f"{100 * min(cached):.0f}%" if cached else "-"
+        a = _against(rates, alone, 1)
+        worst = f"{max(turns):.2f}" if turns else "-"
+        paused = sum(rep.paused for rep in reps)
+        rows.append(f"| {name} | {b} | {worst} | {c} | {a} | {paused} |")
+    spec = FloodSpec(url="")
+    body = (
+        f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; float32; {label}; "
+        f"`serve {' '.join(FLOOD_FLAGS)}`; {repeats} run(s), a fresh server each. Session "
+        f"A keeps {spec.agents} sub-agent requests in flight (~{spec.task_words}-word "
+        f"prompts, {spec.agent_tokens}-token answers); session B runs {spec.turns} turns "
+        f"over a ~{spec.history_words}-word history ({spec.turn_tokens}-token answers, "
+        f"{spec.gap:g} s between turns), {spec.warmup:g} s after A started. Both over "
+        "`/v1/messages` with Claude Code's `X-Claude-Code-Session-Id`, except in the FIFO "
+        "row. B's turn: request to last token (median, and its ratio to B alone; worst); "
+        "cached: the least share of a later turn's history served from the prompt cache; "
+        "A: completion tok/s over B's run (its ratio to A alone).\n\n"
+        "| run | B's turn, median (s) | B's worst turn (s) | B's history cached | "
+        "A's tok/s | rows paused |\n| --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows)
+    )
+    print(body, flush=True)
+    _write_section("flood", body)
+
+
 def storm_figures(result) -> dict:
     statuses = [a.status for a in result.answers]
     return {
@@ -1072,6 +1154,12 @@ def main() -> int:
         help="only the restart: an agent prompt's TTFT cold and after a restart, against "
         "mlx_lm.server (--model, and SmolLM2 with --real)",
     )
+    parser.add_argument(
+        "--flood",
+        action="store_true",
+        help="only the session flood (issue #25): a sub-agent fan-out against a main "
+        "agent's turns, with and without sessions (--model)",
+    )
     parser.add_argument("--tp-rank", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tp_rank:  # one rank of mlx_lm_tp, under the launcher
@@ -1109,6 +1197,9 @@ def main() -> int:
         if args.real:
             models.append(("SmolLM2-135M-Instruct", str(float32_copy(fetch(DEFAULT)))))
         restart(models, RESTART_TOKENS, args.repeats)
+        return 0
+    if args.flood:
+        flood(args.model, "bench-llama-30m (31M parameters)", args.repeats)
         return 0
     if args.real:
         args.model = str(float32_copy(fetch(DEFAULT)))

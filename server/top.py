@@ -65,7 +65,8 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None) -> Group:
         f"mode {s['mode']}  decoding {s['decoding_rows']}/{s['configured']}  "
         f"tok/s {_num(tps, 1)}  step {_num(step, 1)} ms  "
         f"padding {100 * s['padding_waste']:.1f}%  queued {s['pending_rows']} "
-        f"(oldest {s['queue_oldest_wait']:.1f} s)  429s {s['overloaded']}  "
+        f"(oldest {s['queue_oldest_wait']:.1f} s, paused {s.get('paused_rows', 0)})  "
+        f"429s {s['overloaded']}  "
         f"errors {s['errored']}  cancelled {s['cancelled']}"
     )
     budget = s.get("kv_budget_bytes")

@@ -39,6 +39,8 @@ async def test_the_dashboard_shows_the_live_rows_and_updates_without_console_err
                 body = {"model": "llama", "prompt": f"Agent {i}, report:", "max_tokens": 160,
                         "stream": True, "logit_bias": {str(EOS): -100}}  # fmt: skip
                 headers = {"X-Request-Id": f"agent-{i}"}
+                if i < 6:  # two agent trees of three, and two lone requests
+                    headers["X-Session-Id"] = f"tree-{i % 2}"
                 async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                     while not stop.is_set():
                         async with client.stream(
@@ -75,6 +77,10 @@ async def test_the_dashboard_shows_the_live_rows_and_updates_without_console_err
     assert len(rows) == live, "one table row per live row of that snapshot"
     assert active >= 6 and after["active_rows"] >= 6, (active, after["active_rows"])
     assert "agent-" in dom, "rows show their client's request id"
+    # rows are grouped under their session: each tree's head, then its rows
+    assert set(re.findall(r'<tr class="session" data-session="([^"]+)"', dom)) == {
+        "tree-0", "tree-1"
+    }, "the two trees' rows are grouped under them"
     # the memory and disk tiers' figures are filled in (the disk tier is on by default)
     for card in ("pc-evicted", "pd-entries", "pd-hits", "pd-io"):
         shown = re.search(rf'id="{card}">([^<]*)<', dom).group(1)

@@ -11,6 +11,7 @@ import pytest
 import trio
 from conftest import checked_engine, running_server
 from mlx_nursery.actors import FinishReason
+from mlx_nursery.server.flood import FloodReport, FloodSpec, run_flood
 
 EOS = 258  # the golden tokenizer's end token: suppressed, so rows run to max_tokens
 NO_END = {EOS: -100.0}
@@ -216,3 +217,28 @@ async def test_a_paused_row_cancelled_ends_and_frees_its_kv():
     assert {n: r.finish_reason for n, r in ended.items()} == dict.fromkeys(
         ("a0", "a1", "b"), FinishReason.CANCELLED
     )
+
+
+async def flood_over_http(sessions: bool) -> FloodReport:
+    """Issue #25's flood on the golden model, small: A's six sub-agents over two
+    slots against B's three turns, under a 1 MB prompt-cache cap (B's history is
+    about 0.4 MB, A's entries 0.1-0.2 MB each), over /v1/messages."""
+    async with running_server(batch=2, prompt_cache_bytes=1 << 20, prompt_cache_disk=0,
+                              pause_after=0.1) as (url, _):  # fmt: skip
+        spec = FloodSpec(url, agents=6, turns=3, history_words=120, task_words=30,
+                         agent_tokens=40, turn_tokens=8, gap=0.3, warmup=1.0,
+                         sessions=sessions)  # fmt: skip
+        with trio.fail_after(120):
+            return await run_flood(spec)
+
+
+async def test_a_main_agents_history_stays_cached_through_a_sub_agent_flood_over_http():
+    """With Claude Code's session header, B's later turns find their history in
+    the cache that A's churn runs through; without sessions A's churn evicts it."""
+    report = await flood_over_http(sessions=True)
+    assert report.errors == () and report.agent_requests >= 6
+    assert len(report.turn_seconds) == 3 and len(report.history_cached) == 2
+    assert min(report.history_cached) >= 0.9, report
+    fifo = await flood_over_http(sessions=False)
+    assert fifo.errors == ()
+    assert max(fifo.history_cached) < 0.5, fifo

@@ -1,0 +1,150 @@
+"""The agent-tree flood: one session's sub-agents against another's main agent.
+
+Session A keeps ``agents`` sub-agent requests in flight (each sends its next as
+its last one ends); session B, the main agent the user talks to, runs a
+``turns``-turn conversation over a longer history meanwhile. Both speak
+Anthropic Messages with Claude Code's session header, as Claude Code does.
+Measured: each B turn's latency (request to its last token: what the user waits
+for), how much of each later B turn's history the prompt cache served, and A's
+completion tok/s over B's run (the server's generated-token count, less B's).
+
+``docs/sessions.md`` reports it; ``bench/benchsuite.py --flood`` runs it against
+a server with and without sessions, and ``tests/test_sessions.py`` on the golden
+model.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import attrs
+import httpx
+import trio
+
+from .bench import WORDS
+
+SESSION_HEADER = "X-Claude-Code-Session-Id"  # what Claude Code sends on every request
+
+
+@attrs.frozen
+class FloodSpec:
+    url: str
+    agents: int = 12  # A's requests in flight
+    turns: int = 4  # B's conversation
+    history_words: int = 1000  # B's context before its first turn (about a token a word)
+    task_words: int = 300  # each A request's prompt
+    agent_tokens: int = 128  # each A answer
+    turn_tokens: int = 32  # each B answer
+    gap: float = 1.0  # seconds between B's turns (the user reads, a tool runs)
+    warmup: float = 3.0  # seconds A runs before B's first turn
+    window: float = 20.0  # seconds A runs alone when there is no B
+    sessions: bool = True  # send the session header (False: every request alone)
+    model: str = "default_model"
+    seed: int = 0
+    timeout: float = 600.0
+
+
+@attrs.frozen
+class FloodReport:
+    turn_seconds: tuple[float, ...]  # B's turns, request to last token
+    history_cached: tuple[float, ...]  # B's turns 2..n: history served from the cache
+    agent_tokens_per_second: float | None  # A's, over B's run (or the window)
+    agent_requests: int  # A's requests finished
+    seconds: float  # the measured window
+    paused: int  # rows the server paused meanwhile (its /stats)
+    errors: tuple[str, ...]
+
+    @property
+    def turn_median(self) -> float | None:
+        return statistics.median(self.turn_seconds) if self.turn_seconds else None
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def _headers(spec: FloodSpec, session: str) -> dict[str, str]:
+    return {SESSION_HEADER: session} if spec.sessions else {}
+
+
+async def _ask(client, spec, session, system, messages, max_tokens, errors) -> dict | None:
+    body = {"model": spec.model, "max_tokens": max_tokens, "temperature": 0.0,
+            "system": system, "messages": messages}  # fmt: skip
+    r = await client.post("/v1/messages", json=body, headers=_headers(spec, session))
+    if r.status_code != 200:
+        errors.append(f"HTTP {r.status_code}: {r.text[:200]}")
+        return None
+    return r.json()
+
+
+async def _generated(client: httpx.AsyncClient) -> tuple[int, int]:
+    s = (await client.get("/stats")).json()
+    return s["generated_tokens"], s.get("paused", 0)
+
+
+async def run_flood(spec: FloodSpec, *, agents: bool = True, main: bool = True) -> FloodReport:
+    """One flood: A's sub-agents (``agents``) and B's turns (``main``), or either alone."""
+    rng = random.Random(spec.seed)
+    errors: list[str] = []
+    finished = 0
+    stop = trio.Event()
+    limits = httpx.Limits(max_connections=spec.agents + 4)
+    async with httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout, limits=limits) as client:
+
+        async def agent(i: int) -> None:
+            nonlocal finished
+            own = random.Random(spec.seed * 1000 + i)
+            n = 0
+            while not stop.is_set():
+                task = f"Sub-agent {i}, task {n}: {_text(own, spec.task_words)}"
+                messages = [{"role": "user", "content": task}]
+                if await _ask(client, spec, "flood-A", "You are a sub-agent.", messages,
+                              spec.agent_tokens, errors) is not None:  # fmt: skip
+                    finished += 1
+                n += 1
+
+        turns: list[float] = []
+        cached: list[float] = []
+        before_tokens, before_paused = await _generated(client)
+        start = time.perf_counter()
+        b_tokens = 0
+        async with trio.open_nursery() as nursery:
+            if agents:
+                for i in range(spec.agents):
+                    nursery.start_soon(agent, i)
+                await trio.sleep(spec.warmup)
+            before_tokens, before_paused = await _generated(client)
+            start = time.perf_counter()
+            if main:
+                system = f"You are the main agent. Context: {_text(rng, spec.history_words)}"
+                messages: list[dict] = []
+                history = None  # the last turn's prompt and answer, in tokens
+                for turn in range(spec.turns):
+                    if turn:
+                        await trio.sleep(spec.gap)
+                    ask = f"Turn {turn}: {_text(rng, 40)}"
+                    messages.append({"role": "user", "content": ask})
+                    t0 = time.perf_counter()
+                    out = await _ask(client, spec, "flood-B", system, messages,
+                                     spec.turn_tokens, errors)  # fmt: skip
+                    turns.append(time.perf_counter() - t0)
+                    if out is None:
+                        break
+                    usage = out["usage"]
+                    if history is not None:
+                        cached.append(usage["cache_read_input_tokens"] / history)
+                    history = (usage["input_tokens"] + usage["cache_read_input_tokens"]
+                               + usage["output_tokens"])  # fmt: skip
+                    b_tokens += usage["output_tokens"]
+                    answer = "".join(b["text"] for b in out["content"] if b["type"] == "text")
+                    messages.append({"role": "assistant", "content": answer or "(nothing)"})
+            else:
+                await trio.sleep(spec.window)
+            seconds = time.perf_counter() - start
+            after_tokens, after_paused = await _generated(client)
+            stop.set()
+        rate = (after_tokens - before_tokens - b_tokens) / seconds if agents else None
+        return FloodReport(tuple(turns), tuple(cached), rate, finished, seconds,
+                           after_paused - before_paused, tuple(errors))  # fmt: skip
