@@ -450,6 +450,8 @@ class Admission:
                 self._leave(row.id)  # its slot is free; its KV stays counted, held
                 self._pausing.discard(row.id)
                 held = self._held.pop(row.id, None)
+                if held is None and self._closing:  # shut down while it was leaving
+                    held = Cancel(row.id, "engine shutting down")
                 if held is not None:  # ended while it was leaving the batch
                     row.ask(held)
                     await self._end_queued(row, row.end)

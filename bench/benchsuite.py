@@ -1014,21 +1014,26 @@ def flood(model: str, label: str, repeats: int) -> None:
         a = _against(rates, alone, 1)
         worst = f"{max(turns):.2f}" if turns else "-"
         paused = sum(rep.paused for rep in reps)
-        rows.append(f"| {name} | {b} | {worst} | {c} | {a} | {paused} |")
+        total = _against([rep.tokens_per_second for rep in reps], alone, 1)
+        rows.append(f"| {name} | {b} | {worst} | {c} | {a} | {total} | {paused} |")
     spec = FloodSpec(url="")
     body = (
         f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; float32; {label}; "
         f"`serve {' '.join(FLOOD_FLAGS)}`; {repeats} run(s), a fresh server each. Session "
-        f"A keeps {spec.agents} sub-agent requests in flight (~{spec.task_words}-word "
-        f"prompts, {spec.agent_tokens}-token answers); session B runs {spec.turns} turns "
-        f"over a ~{spec.history_words}-word history ({spec.turn_tokens}-token answers, "
-        f"{spec.gap:g} s between turns), {spec.warmup:g} s after A started. Both over "
+        f"A keeps {spec.agents} sub-agent requests in flight (a shared ~"
+        f"{spec.agent_system_words}-word system prompt, then a ~{spec.task_words}-word task; "
+        f"{spec.agent_tokens}-token answers); session B runs {spec.turns} turns over a "
+        f"~{spec.history_words}-word history ({spec.turn_tokens}-token answers, {spec.gap:g} s "
+        f"between turns), once A has finished {spec.warmup_requests} requests. Both over "
         "`/v1/messages` with Claude Code's `X-Claude-Code-Session-Id`, except in the FIFO "
-        "row. B's turn: request to last token (median, and its ratio to B alone; worst); "
-        "cached: the least share of a later turn's history served from the prompt cache; "
-        "A: completion tok/s over B's run (its ratio to A alone).\n\n"
+        "row. B's history is warm when A starts (its turn 0 ran first, unmeasured). B's "
+        "turn: request to last token (median, and its ratio to B alone; worst); cached: "
+        "the least share of a turn's history (the last turn's prompt and answer) served "
+        "from the prompt cache; A's and everyone's completion tok/s over B's run (ratio "
+        "to A alone).\n\n"
         "| run | B's turn, median (s) | B's worst turn (s) | B's history cached | "
-        "A's tok/s | rows paused |\n| --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows)
+        "A's tok/s | everyone's tok/s | rows paused |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows)
     )
     print(body, flush=True)
     _write_section("flood", body)

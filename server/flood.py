@@ -4,9 +4,12 @@ Session A keeps ``agents`` sub-agent requests in flight (each sends its next as
 its last one ends); session B, the main agent the user talks to, runs a
 ``turns``-turn conversation over a longer history meanwhile. Both speak
 Anthropic Messages with Claude Code's session header, as Claude Code does.
-Measured: each B turn's latency (request to its last token: what the user waits
-for), how much of each later B turn's history the prompt cache served, and A's
-completion tok/s over B's run (the server's generated-token count, less B's).
+B's history is warm when the flood starts (its turn 0 runs first, unmeasured):
+the main agent talked before it fanned out. Measured: each later B turn's
+latency (request to its last token: what the user waits for), how much of each
+B turn's history (the last turn's prompt and answer) the prompt cache served,
+and A's completion tok/s over B's run (the server's generated-token count, less
+B's), and everyone's.
 
 ``docs/sessions.md`` reports it; ``bench/benchsuite.py --flood`` runs it against
 a server with and without sessions, and ``tests/test_sessions.py`` on the golden
@@ -34,12 +37,16 @@ class FloodSpec:
     agents: int = 12  # A's requests in flight
     turns: int = 4  # B's conversation
     history_words: int = 1000  # B's context before its first turn (about a token a word)
-    task_words: int = 300  # each A request's prompt
+    agent_system_words: int = 300  # A's system prompt (and tools), the same for each
+    task_words: int = 50  # each A request's own task after it
     agent_tokens: int = 128  # each A answer
     turn_tokens: int = 32  # each B answer
     gap: float = 1.0  # seconds between B's turns (the user reads, a tool runs)
-    warmup: float = 3.0  # seconds A runs before B's first turn
-    window: float = 20.0  # seconds A runs alone when there is no B
+    # B's first turn waits until A has finished this many requests (A's steady
+    # state: every sub-agent past its first prefill), or ``warmup_timeout``.
+    warmup_requests: int = 24
+    warmup_timeout: float = 300.0
+    window: float = 30.0  # seconds A is measured alone when there is no B
     sessions: bool = True  # send the session header (False: every request alone)
     model: str = "default_model"
     seed: int = 0
@@ -49,8 +56,9 @@ class FloodSpec:
 @attrs.frozen
 class FloodReport:
     turn_seconds: tuple[float, ...]  # B's turns, request to last token
-    history_cached: tuple[float, ...]  # B's turns 2..n: history served from the cache
+    history_cached: tuple[float, ...]  # each B turn: its history served from the cache
     agent_tokens_per_second: float | None  # A's, over B's run (or the window)
+    tokens_per_second: float  # everyone's (A's and B's), over the same
     agent_requests: int  # A's requests finished
     seconds: float  # the measured window
     paused: int  # rows the server paused meanwhile (its /stats)
@@ -93,6 +101,9 @@ async def run_flood(spec: FloodSpec, *, agents: bool = True, main: bool = True) 
     limits = httpx.Limits(max_connections=spec.agents + 4)
     async with httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout, limits=limits) as client:
 
+        shared = f"You are a sub-agent. Tools: {_text(rng, spec.agent_system_words)}"
+        warm = trio.Event()
+
         async def agent(i: int) -> None:
             nonlocal finished
             own = random.Random(spec.seed * 1000 + i)
@@ -100,51 +111,62 @@ async def run_flood(spec: FloodSpec, *, agents: bool = True, main: bool = True) 
             while not stop.is_set():
                 task = f"Sub-agent {i}, task {n}: {_text(own, spec.task_words)}"
                 messages = [{"role": "user", "content": task}]
-                if await _ask(client, spec, "flood-A", "You are a sub-agent.", messages,
-                              spec.agent_tokens, errors) is not None:  # fmt: skip
+                if await _ask(client, spec, "flood-A", shared, messages, spec.agent_tokens,
+                              errors) is not None:  # fmt: skip
                     finished += 1
+                    if finished >= spec.warmup_requests:
+                        warm.set()
                 n += 1
 
         turns: list[float] = []
         cached: list[float] = []
-        before_tokens, before_paused = await _generated(client)
-        start = time.perf_counter()
         b_tokens = 0
+        system = f"You are the main agent. Context: {_text(rng, spec.history_words)}"
+        messages: list[dict] = []
+
+        async def turn(n: int) -> dict | None:
+            messages.append({"role": "user", "content": f"Turn {n}: {_text(rng, 40)}"})
+            out = await _ask(client, spec, "flood-B", system, messages, spec.turn_tokens, errors)
+            if out is not None:
+                answer = "".join(b["text"] for b in out["content"] if b["type"] == "text")
+                messages.append({"role": "assistant", "content": answer or "(nothing)"})
+            return out
+
+        def size(out: dict | None) -> int | None:  # a turn's prompt and answer, in tokens
+            if out is None:
+                return None
+            u = out["usage"]
+            return u["input_tokens"] + u["cache_read_input_tokens"] + u["output_tokens"]
+
+        # B talked before it fanned out: its history is warm, as in a session
+        history = size(await turn(0)) if main else None
         async with trio.open_nursery() as nursery:
             if agents:
                 for i in range(spec.agents):
                     nursery.start_soon(agent, i)
-                await trio.sleep(spec.warmup)
+                with trio.move_on_after(spec.warmup_timeout):
+                    await warm.wait()
             before_tokens, before_paused = await _generated(client)
             start = time.perf_counter()
             if main:
-                system = f"You are the main agent. Context: {_text(rng, spec.history_words)}"
-                messages: list[dict] = []
-                history = None  # the last turn's prompt and answer, in tokens
-                for turn in range(spec.turns):
-                    if turn:
+                for n in range(1, spec.turns + 1):
+                    if n > 1:
                         await trio.sleep(spec.gap)
-                    ask = f"Turn {turn}: {_text(rng, 40)}"
-                    messages.append({"role": "user", "content": ask})
                     t0 = time.perf_counter()
-                    out = await _ask(client, spec, "flood-B", system, messages,
-                                     spec.turn_tokens, errors)  # fmt: skip
+                    out = await turn(n)
                     turns.append(time.perf_counter() - t0)
                     if out is None:
                         break
-                    usage = out["usage"]
                     if history is not None:
-                        cached.append(usage["cache_read_input_tokens"] / history)
-                    history = (usage["input_tokens"] + usage["cache_read_input_tokens"]
-                               + usage["output_tokens"])  # fmt: skip
-                    b_tokens += usage["output_tokens"]
-                    answer = "".join(b["text"] for b in out["content"] if b["type"] == "text")
-                    messages.append({"role": "assistant", "content": answer or "(nothing)"})
+                        cached.append(out["usage"]["cache_read_input_tokens"] / history)
+                    history = size(out)
+                    b_tokens += out["usage"]["output_tokens"]
             else:
                 await trio.sleep(spec.window)
             seconds = time.perf_counter() - start
             after_tokens, after_paused = await _generated(client)
             stop.set()
+        total = (after_tokens - before_tokens) / seconds
         rate = (after_tokens - before_tokens - b_tokens) / seconds if agents else None
-        return FloodReport(tuple(turns), tuple(cached), rate, finished, seconds,
+        return FloodReport(tuple(turns), tuple(cached), rate, total, finished, seconds,
                            after_paused - before_paused, tuple(errors))  # fmt: skip
