@@ -242,3 +242,24 @@ async def test_a_main_agents_history_stays_cached_through_a_sub_agent_flood_over
     fifo = await flood_over_http(sessions=False)
     assert fifo.errors == ()
     assert max(fifo.history_cached) < 0.5, fifo
+
+
+async def test_a_session_weight_header_is_checked_and_listed():
+    body = {"model": "llama", "prompt": "Hi", "max_tokens": 2000, "stream": True,
+            "logit_bias": {str(EOS): -100}}  # fmt: skip
+    async with running_server(batch=2) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            bad = await client.post("/v1/completions", json={**body, "stream": False},
+                                    headers={"X-Session-Weight": "0"})  # fmt: skip
+            assert bad.status_code == 400
+            assert "session_weight" in bad.json()["error"]["message"]
+            assert bad.json()["error"]["param"] == "X-Session-Weight"
+            headers = {"X-Session-Id": "heavy", "X-Session-Weight": "2.5"}
+            async with client.stream("POST", "/v1/completions", json=body,
+                                     headers=headers) as r:  # fmt: skip
+                assert r.status_code == 200
+                listed = (await client.get("/v1/sessions")).json()["data"]
+                assert [(s["id"], s["weight"]) for s in listed] == [("heavy", 2.5)]
+                assert (await client.delete("/v1/sessions/heavy")).status_code == 200
+                async for _ in r.aiter_lines():
+                    pass
