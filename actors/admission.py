@@ -203,8 +203,7 @@ def starving(
     held = collections.Counter(share_key(r) for r in batch)
     weights = weights_of([*queue, *admitted])
     head = next_head(queue, held, weights)
-    since = head.times.paused if head.times.paused is not None else head.times.submitted
-    if head.lane is not Lane.CONTINUOUS or now - since < pause_after:
+    if head.lane is not Lane.CONTINUOUS or now - head.times.queued < pause_after:
         return None
     fair = shares(held + collections.Counter(share_key(r) for r in queue), weights, cap)
     if held[share_key(head)] >= math.floor(fair[share_key(head)] + _EPS):
@@ -367,10 +366,9 @@ class Admission:
         if self.pause_after is None or not self._queue or self._pausing:
             return math.inf
         head = next_head(self._queue, self._held_slots(), weights_of(self._rows()))
-        since = head.times.paused if head.times.paused is not None else head.times.submitted
-        now = trio.current_time()
-        if since + self.pause_after > now:
-            return since + self.pause_after
+        due, now = head.times.queued + self.pause_after, trio.current_time()
+        if due > now:
+            return due
         starved = starving(self._queue, list(self._admitted.values()), cap=self.cap, now=now,
                            pause_after=self.pause_after)  # fmt: skip
         return math.inf if starved is None else now + PAUSE_RETRY_SECONDS

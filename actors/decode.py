@@ -53,28 +53,21 @@ class StepResult:
 
 @attrs.frozen
 class LeaveResult:
-    saved: list[list[Any]]  # the kept rows' caches, in the order asked
+    # the kept rows' caches (a pause: their one-row batches), in the order asked
+    saved: list[Any]
     layout: list[int | None]
     kv_bytes: int
     padding_waste: float
     copied: int  # KV bytes the leave copied (filter, extract)
 
 
-@attrs.frozen
-class PauseResult:
-    alone: list[Batch]  # each paused row's own one-row batch, in the order asked
-    layout: list[int | None]
-    kv_bytes: int
-    padding_waste: float
-    copied: int
-
-
-def _take_out(batch: Batch, rows: list[int]) -> PauseResult:
-    """Rows at ``rows`` leave the batch with their state kept (GPU thread)."""
+def _take_out(batch: Batch, rows: list[int]) -> LeaveResult:
+    """Rows at ``rows`` leave the batch with their state kept, each as a one-row
+    batch in ``saved`` (GPU thread)."""
     before = batch.copied
     alone = batch.take_out(rows)
     copied = batch.copied - before
-    return PauseResult(alone, batch.layout(), batch.nbytes, batch.padding_waste(), copied)
+    return LeaveResult(alone, batch.layout(), batch.nbytes, batch.padding_waste(), copied)
 
 
 @attrs.frozen
@@ -283,10 +276,7 @@ class Decode:
             await self.to_prompt_cache.send(
                 Put(row.prompt + row.tokens, caches, session=row.session)
             )
-        self._relayout(left.layout)
-        self._report(left.kv_bytes, left.padding_waste)
-        if left.copied:
-            self.stats.post(Count(Metric.KV_COPIED_BYTES, left.copied))
+        self._left(left)
         announced = {o.row.id for o in pending if o.ends}
         for row in gone:
             await self._free(row, announced=row.id in announced)
@@ -313,16 +303,20 @@ class Decode:
             for row in paused:
                 await self.to_admission.send(NotPaused(row.id))
             return
-        for row, alone in zip(paused, out.alone, strict=True):
+        for row, alone in zip(paused, out.saved, strict=True):
             row.work = alone
             row.move(Phase.PAUSED)
-        self._relayout(out.layout)
-        self._report(out.kv_bytes, out.padding_waste)
+        self._left(out)
         self.stats.post(Count(Metric.PAUSED, len(paused)))
-        if out.copied:
-            self.stats.post(Count(Metric.KV_COPIED_BYTES, out.copied))
         for row in paused:
             await self.to_admission.send(Paused(row))
+
+    def _left(self, result: LeaveResult) -> None:
+        """Rows left the batch (ended or paused): take its new layout and figures."""
+        self._relayout(result.layout)
+        self._report(result.kv_bytes, result.padding_waste)
+        if result.copied:
+            self.stats.post(Count(Metric.KV_COPIED_BYTES, result.copied))
 
     def _live(self) -> list[Row]:
         return [r for r in self._rows if r is not None]

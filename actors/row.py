@@ -115,6 +115,11 @@ class RowTimes:
     prefill_ended: float | None = None  # prefill / serial
     paused: float | None = None  # admission: when it was last paused (None: never)
 
+    @property
+    def queued(self) -> float:
+        """When it last entered admission's queue: submitted, or paused since."""
+        return self.submitted if self.paused is None else self.paused
+
 
 @attrs.define(eq=False)
 class Row:
