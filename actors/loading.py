@@ -46,9 +46,9 @@ def load_model(model: Any, dtype: str | None, group: Any = None) -> tuple[Any, A
     if isinstance(model, str | Path):
         name = short_id(model)
         if sharded:
-            model, tokenizer = sharded_load(resolve(model), group)
+            model, tokenizer = sharded_load(resolve(model, float_dtype(dtype)), group)
         else:
-            model, tokenizer = load(str(resolve(model)))
+            model, tokenizer = load(str(resolve(model, float_dtype(dtype))))
     elif sharded:
         raise ValueError("a sharded engine loads its model itself: pass a path, not a model")
     else:
@@ -82,8 +82,7 @@ def cast(model: Any, dtype: str | None) -> None:
     None keeps it. Casting to float32 dequantizes a quantized model first."""
     import mlx.core as mx
 
-    if dtype == "auto":
-        dtype = "float32" if mx.default_device().type == mx.DeviceType.cpu else None
+    dtype = float_dtype(dtype)
     if dtype == "float32":
         # Scales first: dequantizing with float16 scales would round every weight.
         model.set_dtype(mx.float32)
@@ -93,13 +92,24 @@ def cast(model: Any, dtype: str | None) -> None:
         mx.eval(model.parameters())
 
 
+def float_dtype(dtype: str | None) -> str | None:
+    """The dtype ``dtype`` means here: ``auto`` is float32 on a CPU device,
+    else None (keep what is stored)."""
+    import mlx.core as mx
+
+    if dtype == "auto":
+        return "float32" if mx.default_device().type == mx.DeviceType.cpu else None
+    return dtype
+
+
 def _dequantize(model: Any) -> None:
     """Replace quantized layers with float ones, in place (mlx-lm's own helper;
     a sharded model's quantized shards too, see :func:`_dequantize_shards`)."""
     import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
     from mlx_lm.utils import dequantize_model
 
-    quantized = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    quantized = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
     if any(isinstance(m, quantized) for _, m in model.named_modules()):
         dequantize_model(model)
     _dequantize_shards(model)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from .gguf import cache_root, converted, sha256
+from .gguf import MODES, cache_root, converted, sha256
 
 log = logging.getLogger("mlx_nursery.models")
 
@@ -108,10 +108,13 @@ def default_model(model: RegistryModel = DEFAULT) -> str:
         return str(toy_model())
 
 
-def resolve(ref: str | Path) -> Path | str:
-    """What mlx-lm should load for ``ref``: a GGUF file's converted directory, else ``ref``."""
+def resolve(ref: str | Path, dtype: str | None = None) -> Path | str:
+    """What mlx-lm should load for ``ref``: a GGUF file's converted directory, else ``ref``.
+
+    ``dtype`` is the float dtype the model will be cast to, if any: a GGUF
+    file's re-quantized types are then dequantized into it instead."""
     if str(ref).lower().endswith(".gguf"):
-        return converted(ref)
+        return converted(ref, mode=dtype if dtype in MODES else "affine")
     return ref
 
 

@@ -1,0 +1,134 @@
+"""One GGUF tensor in, MLX arrays out: kept, repacked, re-quantized or dequantized.
+
+- F32, F16 and BF16 pass through.
+- Q4_0, Q4_1 and Q8_0 are repacked, bit for bit, into MLX's affine layout
+  (group 32, float16 scales and biases): each block's scale ``d`` and offset
+  (``-8d``, ``m``, ``-128d``) are exactly what the block computes, so nothing
+  changes but the bytes' order.
+- Every other type the ``gguf`` package dequantizes (the K-quants Q2_K-Q6_K,
+  Q5_0/Q5_1, the IQ types, ...) is dequantized to float32 and then, by mode:
+  ``affine``: re-quantized with ``mx.quantize`` (:func:`requant_plan` picks 4 or
+  8 bits and the group size for the tensor), so a quantized file stays about
+  the size it was; a float dtype: kept as floats of that dtype, exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+
+FLOAT = {"F32", "F16", "BF16"}
+REPACKED = {"Q4_0", "Q4_1", "Q8_0"}  # exact in MLX's affine layout
+# Source types at 6 bits or more per weight go to 8 bits; the rest to 4.
+EIGHT_BIT = {"Q6_K", "Q8_1", "Q8_K"}
+GROUPS = {4: (32,), 8: (64, 32)}  # finest first for 4 bits; 8 bits loses little at 64
+
+
+class TensorError(ValueError):
+    """A tensor this converter cannot read; the message names it and its type."""
+
+
+@attrs.frozen
+class Converted:
+    """One tensor's arrays under their suffixes (``weight`` or ``weight``,
+    ``scales``, ``biases``), and its quantization when quantized."""
+
+    arrays: dict[str, Any]
+    bits: int | None = None
+    group_size: int | None = None
+
+
+def requant_plan(qtype: str, row: int) -> tuple[int, int] | None:
+    """(bits, group size) a ``qtype`` tensor with rows of ``row`` values is
+    re-quantized to; None: no group divides the row, keep it as floats."""
+    bits = 8 if qtype in EIGHT_BIT else 4
+    for group in GROUPS[bits]:
+        if row % group == 0:
+            return bits, group
+    return None
+
+
+def convert_tensor(tensor: Any, qtype: str, mode: str) -> Converted:
+    """The arrays for GGUF reader tensor ``tensor`` of type ``qtype``;
+    ``mode`` is ``affine`` or a float dtype name (``float32``, ``float16``,
+    ``bfloat16``) for the types that are not kept as they are."""
+    import mlx.core as mx
+
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    data = np.asarray(tensor.data)
+    if qtype == "F32":
+        return Converted({"weight": mx.array(data.astype(np.float32).reshape(shape))})
+    if qtype == "F16":
+        return Converted({"weight": mx.array(data.view(np.float16).reshape(shape))})
+    if qtype == "BF16":
+        raw = mx.array(data.view(np.uint16).reshape(shape))
+        return Converted({"weight": raw.view(mx.bfloat16)})
+    if qtype in REPACKED:
+        return repack(data, qtype, shape)
+    values = dequantize(tensor, qtype, shape)
+    if mode != "affine" or len(shape) < 2:
+        return Converted({"weight": mx.array(values).astype(getattr(mx, mode, mx.float32))})
+    plan = requant_plan(qtype, shape[-1])
+    if plan is None:
+        return Converted({"weight": mx.array(values).astype(mx.float16)})
+    bits, group = plan
+    weight, scales, biases = mx.quantize(mx.array(values), group_size=group, bits=bits)
+    arrays = {"weight": weight, "scales": scales.astype(mx.float16)}
+    arrays["biases"] = biases.astype(mx.float16)
+    return Converted(arrays, bits, group)
+
+
+def dequantize(tensor: Any, qtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The tensor as float32, dequantized by the ``gguf`` package."""
+    import gguf
+
+    try:
+        values = gguf.quants.dequantize(np.asarray(tensor.data), gguf.GGMLQuantizationType[qtype])
+    except NotImplementedError:
+        raise TensorError(
+            f"tensor {tensor.name} uses quantization {qtype}, which cannot be read here; "
+            "use a file quantized as Q4_0, Q4_1, Q8_0, Q5_x, a K-quant (Q2_K-Q6_K), "
+            "an IQ type, F16 or BF16"
+        ) from None
+    return np.asarray(values, dtype=np.float32).reshape(shape)
+
+
+def repack(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> Converted:
+    """Q4_0 / Q4_1 / Q8_0 blocks as MLX affine arrays (group 32), exactly.
+
+    Blocks of 32 values: Q4_0 is ``d`` (f16) and 16 bytes of nibbles, value
+    ``d * (q - 8)``; Q4_1 adds ``m`` (f16), value ``d * q + m``; Q8_0 is ``d``
+    and 32 signed bytes, value ``d * q``. A nibble block holds values 0-15 in
+    the low nibbles and 16-31 in the high ones; MLX packs values in order, the
+    first in the lowest bits of each 32-bit word."""
+    import mlx.core as mx
+
+    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[qtype]
+    size = head + (32 if qtype == "Q8_0" else 16)
+    blocks = data.view(np.uint8).reshape(-1, size)
+    d = blocks[:, 0:2].copy().view(np.float16)[:, 0]
+    body = blocks[:, head:]
+    if qtype == "Q8_0":
+        unsigned = (body.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        packed = unsigned.reshape(-1).view(np.uint32)
+        bits, biases = 8, -128 * d  # a power of two: exact in float16
+    else:
+        values = np.concatenate([body & 0x0F, body >> 4], axis=1)  # (blocks, 32) in order
+        pairs = values.reshape(-1, 16, 2)
+        packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).astype(np.uint8).reshape(-1)
+        packed = packed.view(np.uint32)
+        bits = 4
+        biases = blocks[:, 2:4].copy().view(np.float16)[:, 0] if qtype == "Q4_1" else -8 * d
+    rows = shape[:-1]
+    groups = shape[-1] // 32
+    return Converted(
+        {
+            "weight": mx.array(packed.reshape(*rows, shape[-1] * bits // 32)),
+            "scales": mx.array(d.reshape(*rows, groups)),
+            "biases": mx.array(biases.astype(np.float16).reshape(*rows, groups)),
+        },
+        bits,
+        32,
+    )
