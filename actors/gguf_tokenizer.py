@@ -8,8 +8,9 @@
   every split of a normal piece into two normal pieces, ranked by the joined
   piece's score (Gemma's scores do not follow its merge order: its file order
   does). Byte fallback (``<0xNN>`` pieces) covers what the vocabulary lacks.
-  The space marker ``▁`` is prefixed (``add_space_prefix``, on unless the file
-  says otherwise; Gemma's is off) and the decoder undoes all of it.
+  The space marker ``▁`` replaces spaces and is prefixed to each stretch of
+  text (``add_space_prefix``, on unless the file says otherwise; Gemma's is
+  off); the decoder undoes all of it.
   Control tokens are special; user-defined ones are matched whole.
 """
 
@@ -73,7 +74,7 @@ def _byte_level(meta: dict) -> Any:
 
 
 def _sentencepiece(meta: dict) -> Any:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     arch = meta.get("general.architecture")
     tokens = list(meta["tokenizer.ggml.tokens"])
@@ -94,16 +95,13 @@ def _sentencepiece(meta: dict) -> Any:
     )  # fmt: skip
     tokenizer = Tokenizer(bpe)
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    if arch == "phi3":  # Phi-3 prefixes each piece of text between added tokens
-        tokenizer.normalizer = normalizers.Sequence(
-            [normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)]
-        )
-    elif prefix:
-        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement=SPACE, prepend_scheme="first", split=False
-        )
-    else:
-        tokenizer.normalizer = normalizers.Replace(" ", SPACE)
+    # SentencePiece's own rule (and the Llama 2 / Mistral tokenizer.json files'):
+    # the marker before every stretch of text, a leading space kept as a second
+    # marker. llama.cpp prefixes each stretch between special tokens alike.
+    replace = normalizers.Replace(" ", SPACE)
+    tokenizer.normalizer = (
+        normalizers.Sequence([normalizers.Prepend(SPACE), replace]) if prefix else replace
+    )
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if prefix:
         steps.append(decoders.Strip(" ", 1, 0))
