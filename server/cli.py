@@ -80,7 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
         "LM Studio's local stores hold (servable by the name shown); --fetch downloads and "
         f"converts the default model ({models.DEFAULT.id}) first.",
     )
-    m.add_argument("--fetch", action="store_true", help="fetch and convert the default model")
+    m.add_argument(
+        "--fetch",
+        nargs="*",
+        metavar="ID",
+        default=None,
+        help="fetch and convert registry models by id (none given: the default model); "
+        f"known: {', '.join(models.REGISTRY)}",
+    )
     t = sub.add_parser(
         "top",
         help="the live view of a running server, in the terminal",
@@ -153,14 +160,19 @@ def settings_from(args: argparse.Namespace) -> Settings:
     )
 
 
-def list_models(*, fetch: bool) -> int:
-    if fetch:
+def list_models(*, fetch: list[str] | None) -> int:
+    for model_id in ([models.DEFAULT.id] if fetch == [] else fetch or []):
+        model = models.REGISTRY.get(model_id)
+        if model is None:
+            known = ", ".join(models.REGISTRY)
+            print(f"mlx-nursery: --fetch: no registry model {model_id!r}; known: {known}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         try:
-            gguf = models.fetch(models.DEFAULT)
+            models.resolve(models.fetch(model), "float32")
         except models.FetchError as exc:
             print(f"mlx-nursery: {exc}", file=sys.stderr)
             return 1
-        models.resolve(gguf)
     rows = models.cached()
     if not rows:
         print(f"no models in {models.cache_root()}; `mlx-nursery models --fetch` gets "

