@@ -6,10 +6,14 @@
   (``-8d``, ``m``, ``-128d``) are exactly what the block computes, so nothing
   changes but the bytes' order.
 - Every other type the ``gguf`` package dequantizes (the K-quants Q2_K-Q6_K,
-  Q5_0/Q5_1, the IQ types, ...) is dequantized to float32 and then, by mode:
-  ``affine``: re-quantized with ``mx.quantize`` (:func:`requant_plan` picks 4 or
-  8 bits and the group size for the tensor), so a quantized file stays about
-  the size it was; a float dtype: kept as floats of that dtype, exact.
+  Q5_0/Q5_1, the IQ types, ...) becomes, by mode: a float dtype: floats of that
+  dtype, exact; ``affine`` (:func:`requant_plan` picks 4 or 8 bits and the group
+  size for the tensor):
+  - where the type's blocks are affine in groups of 32 (Q4_K: 4 bits; Q5_0,
+    Q5_1, Q5_K: 5 bits, held in 8), the same levels with each group's scale and
+    offset (:func:`block_affine`): exact but for the scales' float16 rounding;
+  - else re-quantized with ``mx.quantize`` from the dequantized values (Q6_K's
+    16-value sub-blocks to 8 bits; Q2_K, Q3_K and the IQ types to 4).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import numpy as np
 
 FLOAT = {"F32", "F16", "BF16"}
 REPACKED = {"Q4_0", "Q4_1", "Q8_0"}  # exact in MLX's affine layout
-# Source types at 6 bits or more per weight go to 8 bits; the rest to 4.
+# Affine per group of 32 values: their levels kept, in 4 or 8 bits.
+BLOCK_AFFINE = {"Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8}
+# Re-quantized from the dequantized values: at 6 bits or more, to 8 bits; else to 4.
 EIGHT_BIT = {"Q6_K", "Q8_1", "Q8_K"}
 GROUPS = {4: (32,), 8: (64, 32)}  # finest first for 4 bits; 8 bits loses little at 64
 
@@ -43,6 +49,8 @@ class Converted:
 def requant_plan(qtype: str, row: int) -> tuple[int, int] | None:
     """(bits, group size) a ``qtype`` tensor with rows of ``row`` values is
     re-quantized to; None: no group divides the row, keep it as floats."""
+    if qtype in BLOCK_AFFINE:
+        return BLOCK_AFFINE[qtype], 32
     bits = 8 if qtype in EIGHT_BIT else 4
     for group in GROUPS[bits]:
         if row % group == 0:
@@ -74,10 +82,63 @@ def convert_tensor(tensor: Any, qtype: str, mode: str) -> Converted:
     if plan is None:
         return Converted({"weight": mx.array(values).astype(mx.float16)})
     bits, group = plan
+    if qtype in BLOCK_AFFINE:
+        levels, scales, biases = block_affine(np.asarray(tensor.data), qtype, values)
+        return packed(levels, scales, biases, bits, shape)
     weight, scales, biases = mx.quantize(mx.array(values), group_size=group, bits=bits)
     arrays = {"weight": weight, "scales": scales.astype(mx.float16)}
     arrays["biases"] = biases.astype(mx.float16)
     return Converted(arrays, bits, group)
+
+
+def block_affine(
+    data: np.ndarray, qtype: str, values: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(levels, scale, offset per group of 32) of a type whose blocks compute
+    ``scale * level + offset``, from the blocks' own scales and the dequantized
+    ``values`` (each level is ``(value - offset) / scale``, an integer)."""
+    import gguf
+
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
+    blocks = data.view(np.uint8).reshape(-1, size)
+
+    def f16(at: int) -> np.ndarray:
+        return blocks[:, at : at + 2].copy().view(np.float16)[:, 0].astype(np.float32)
+
+    if qtype in ("Q4_K", "Q5_K"):  # super-blocks of 8 groups: d * sc and -dmin * m
+        sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        scales = (f16(0)[:, None] * sc).reshape(-1)
+        biases = (-f16(2)[:, None] * m).reshape(-1)
+    else:  # one group: d * (q - 16), or d * q + m
+        scales = f16(0)
+        biases = f16(2) if qtype == "Q5_1" else -16 * scales
+    groups = values.reshape(-1, 32)
+    safe = np.where(scales == 0, 1, scales)[:, None]
+    levels = np.rint((groups - biases[:, None]) / safe)
+    levels = np.clip(np.where(scales[:, None] == 0, 0, levels), 0, 31).astype(np.uint8)
+    return levels, scales, biases
+
+
+def packed(
+    levels: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, shape: tuple
+) -> Converted:
+    """MLX affine arrays (group 32) from levels in order and per-group scales
+    and offsets: 4-bit levels two to a byte, the first in the low nibble."""
+    import mlx.core as mx
+
+    flat = levels.reshape(-1)
+    if bits == 4:
+        flat = (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)
+    rows, groups = shape[:-1], shape[-1] // 32
+    return Converted(
+        {
+            "weight": mx.array(flat.view(np.uint32).reshape(*rows, shape[-1] * bits // 32)),
+            "scales": mx.array(scales.astype(np.float16).reshape(*rows, groups)),
+            "biases": mx.array(biases.astype(np.float16).reshape(*rows, groups)),
+        },
+        bits,
+        32,
+    )
 
 
 def dequantize(tensor: Any, qtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -103,32 +164,14 @@ def repack(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> Converted:
     and 32 signed bytes, value ``d * q``. A nibble block holds values 0-15 in
     the low nibbles and 16-31 in the high ones; MLX packs values in order, the
     first in the lowest bits of each 32-bit word."""
-    import mlx.core as mx
-
     head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[qtype]
     size = head + (32 if qtype == "Q8_0" else 16)
     blocks = data.view(np.uint8).reshape(-1, size)
     d = blocks[:, 0:2].copy().view(np.float16)[:, 0]
     body = blocks[:, head:]
     if qtype == "Q8_0":
-        unsigned = (body.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        packed = unsigned.reshape(-1).view(np.uint32)
-        bits, biases = 8, -128 * d  # a power of two: exact in float16
-    else:
-        values = np.concatenate([body & 0x0F, body >> 4], axis=1)  # (blocks, 32) in order
-        pairs = values.reshape(-1, 16, 2)
-        packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).astype(np.uint8).reshape(-1)
-        packed = packed.view(np.uint32)
-        bits = 4
-        biases = blocks[:, 2:4].copy().view(np.float16)[:, 0] if qtype == "Q4_1" else -8 * d
-    rows = shape[:-1]
-    groups = shape[-1] // 32
-    return Converted(
-        {
-            "weight": mx.array(packed.reshape(*rows, shape[-1] * bits // 32)),
-            "scales": mx.array(d.reshape(*rows, groups)),
-            "biases": mx.array(biases.astype(np.float16).reshape(*rows, groups)),
-        },
-        bits,
-        32,
-    )
+        levels = (body.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return packed(levels, d, -128 * d, 8, shape)  # a power of two: exact in float16
+    levels = np.concatenate([body & 0x0F, body >> 4], axis=1)  # (blocks, 32) in order
+    biases = blocks[:, 2:4].copy().view(np.float16)[:, 0] if qtype == "Q4_1" else -8 * d
+    return packed(levels, d, biases, 4, shape)

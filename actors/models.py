@@ -204,6 +204,6 @@ def cached() -> list[tuple[str, Path, int]]:
     for d in sorted(root.glob("*/config.json")) if root.is_dir() else []:
         folder = d.parent
         size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-        name = re.sub(r"-[0-9a-f]{16}(-float32|-float16|-bfloat16)?$", "", folder.name)
+        name = re.sub(r"-[0-9a-f]{16}(-float32|-float16|-bfloat16|-dequantized)?$", "", folder.name)
         out.append((short_id(f"{name}.gguf"), folder, size))
     return out

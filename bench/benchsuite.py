@@ -1100,7 +1100,7 @@ def float32_copy(gguf_file: Path) -> Path:
     from mlx_nursery.actors.models import resolve
 
     source = Path(resolve(gguf_file))
-    out = source.with_name(source.name + "-float32")
+    out = source.with_name(source.name + "-dequantized")
     if (out / "config.json").is_file():
         return out
     model, _ = load(str(source))

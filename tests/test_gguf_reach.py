@@ -34,9 +34,14 @@ HIDDEN, HEADS, HEAD_DIM, FFN, LAYERS = 256, 4, 64, 512, 2
 # are measured worst cases: blocks of random bytes, every level used; real
 # weights agree better (docs/models.md: Gemma 3 270M's Q4_K_M file).
 AGREEMENT = 0.999  # Q4_K layers (see mixed_types)
+# What each type becomes (the rest: 4 bits in groups of 32).
+WIDTHS = {
+    "Q5_0": {"group_size": 32, "bits": 8}, "Q5_1": {"group_size": 32, "bits": 8},
+    "Q5_K": {"group_size": 32, "bits": 8}, "Q6_K": {"group_size": 64, "bits": 8},
+}  # fmt: skip
 TYPE_AGREEMENT = {
-    "Q2_K": 0.999, "Q3_K": 0.93, "Q4_K": 0.9999, "Q5_K": 0.9999, "Q6_K": 0.999,
-    "Q5_0": 0.97, "Q5_1": 0.97, "IQ4_NL": 0.93, "IQ4_XS": 0.94,
+    "Q2_K": 0.999, "Q3_K": 0.93, "Q4_K": 0.99999, "Q5_K": 0.99999, "Q6_K": 0.999,
+    "Q5_0": 0.99999, "Q5_1": 0.99999, "IQ4_NL": 0.93, "IQ4_XS": 0.94,
 }  # fmt: skip
 
 # A multilingual sample: the SentencePiece models train on it; HELD_OUT is new text.
@@ -468,8 +473,47 @@ def test_each_quant_type_is_exact_in_float32_and_close_re_quantized(tmp_path, ca
 
     model, _, _ = load_model(str(path), None)
     q = json.loads((converted(path) / "config.json").read_text())["quantization"]
-    bits = 8 if qtype == Q.Q6_K else 4
-    group = 64 if bits == 8 else 32
-    assert q["model.layers.0.self_attn.q_proj"] == {"group_size": group, "bits": bits}
+    width = WIDTHS.get(qtype.name, {"group_size": 32, "bits": 4})
+    assert q["model.layers.0.self_attn.q_proj"] == width
     got = np.array(model(mx.array([tokens]))[0]).astype(np.float32)
     assert agreement(got, want) >= TYPE_AGREEMENT[qtype.name]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
+def test_block_affine_types_keep_their_levels_in_mlx_s_layout(qtype):
+    """Q4_K, Q5_K, Q5_0 and Q5_1 compute ``scale * level + offset`` per group of
+    32: converted, MLX's dequantize gives the file's values back (but for the
+    float16 rounding of each group's scale and offset)."""
+    from mlx_nursery.actors.gguf_tensors import convert_tensor
+
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((8, 512)).astype(np.float32)
+    raw, values = quantized(w, qtype, rng)
+
+    class Tensor:  # what the converter reads of a GGUF reader tensor
+        name, data, shape = "t.weight", raw, np.array(list(reversed(w.shape)))
+
+    c = convert_tensor(Tensor, qtype.name, "affine")
+    back = mx.dequantize(
+        c.arrays["weight"], c.arrays["scales"].astype(mx.float32),
+        c.arrays["biases"].astype(mx.float32), group_size=c.group_size, bits=c.bits,
+    )  # fmt: skip
+    assert np.abs(np.array(back) - values).max() <= 2e-3 * np.abs(values).max()
+
+
+def test_q4_0_q4_1_and_q8_0_are_repacked_bit_for_bit_as_mx_load_reads_them(tmp_path):
+    """The repack gives exactly the arrays ``mx.load`` makes of a file it can read
+    (one of only Q4_0/Q4_1/Q8_0/F32/F16 tensors), bytes, shapes and dtypes."""
+    from mlx_nursery.actors.gguf_tensors import convert_tensor
+    from test_gguf import write_gguf
+
+    path = tmp_path / "native.gguf"
+    write_gguf(path)
+    want = mx.load(str(path))
+    for tensor in gguf.GGUFReader(path).tensors:
+        qtype = gguf.GGMLQuantizationType(tensor.tensor_type).name
+        got = convert_tensor(tensor, qtype, "affine").arrays
+        for suffix, array in got.items():
+            expected = want[f"{tensor.name.removesuffix('.weight')}.{suffix}"]
+            assert array.dtype == expected.dtype and array.shape == expected.shape
+            assert mx.array_equal(array, expected), (tensor.name, suffix)
