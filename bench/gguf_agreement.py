@@ -2,10 +2,10 @@
 
 For a GGUF file (default: the registry's Gemma 3 270M Q4_K_M), the model loaded
 in float32 (every tensor dequantized exactly) is the reference. For each
-quantization type the file holds, only that type's tensors are re-quantized
-the way the converter does it (``gguf_tensors.requant_plan``: bits and group
-size) and the logits on a held-out multilingual text are compared with the
-reference: top-1 agreement, mean KL divergence and the median cosine similarity
+quantization type the file holds, only that type's tensors are replaced by what
+the converter makes of them (``gguf_tensors.convert_tensor``, mode ``affine``,
+dequantized back) and the logits on a held-out multilingual text are compared
+with the reference: top-1 agreement, mean KL divergence and the median cosine similarity
 per position. The last row re-quantizes every type at once (the model as
 ``--dtype`` none serves it). Prints a markdown table.
 
@@ -57,7 +57,7 @@ def main() -> None:
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_nursery.actors import models
     from mlx_nursery.actors.gguf import _hf_name
-    from mlx_nursery.actors.gguf_tensors import FLOAT, REPACKED, requant_plan
+    from mlx_nursery.actors.gguf_tensors import BLOCK_AFFINE, FLOAT, REPACKED, convert_tensor
     from mlx_nursery.actors.loading import load_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -66,44 +66,43 @@ def main() -> None:
     path = args.model or str(models.fetch(models.GEMMA3_270M))
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
-    kinds = {}
+    kinds: dict[str, list] = {}
     for t in reader.tensors:
         qtype = gguf.GGMLQuantizationType(t.tensor_type).name
         if t.name.endswith(".weight") and qtype not in FLOAT and not t.name.startswith("rope_"):
-            kinds.setdefault(qtype, []).append(_hf_name(t.name, arch))
+            kinds.setdefault(qtype, []).append(t)
     model, tokenizer, _ = load_model(path, "float32")
     tokens = tokenizer.encode(HELD_OUT)
     reference = logits(model, tokens)
     exact = dict(tree_flatten(model.parameters()))
     print(f"{path}: {len(tokens)} held-out tokens, float32 reference\n")
-    print("| type | tensors | re-quantized to | top-1 agreement | mean KL (nats) | median cosine |")
+    print("| type | tensors | becomes | top-1 agreement | mean KL (nats) | median cosine |")
     print("| --- | --- | --- | --- | --- | --- |")
-    rows = [(qtype, names) for qtype, names in sorted(kinds.items())]
-    rows.append(("all", [n for names in kinds.values() for n in names]))
-    for qtype, names in rows:
-        changed, plans = {}, set()
-        for name in names:
-            source = next(k for k, v in kinds.items() if name in v)
-            weight = exact[name]
-            if source in REPACKED:
-                plans.add(f"{source}: exact repack")
+    rows = [*sorted(kinds.items()), ("all", [t for ts in kinds.values() for t in ts])]
+    for label, tensors in rows:
+        changed, widths = {}, set()
+        for t in tensors:
+            qtype = gguf.GGMLQuantizationType(t.tensor_type).name
+            name = _hf_name(t.name, arch)
+            # What the converter makes of the tensor, back in float32.
+            c = convert_tensor(t, qtype, "affine")
+            if c.bits is None:
+                widths.add("float16")
+                changed[name] = c.arrays["weight"].astype(mx.float32)
                 continue
-            plan = requant_plan(source, weight.shape[-1])
-            if plan is None:
-                plans.add(f"{source}: float16")
-                changed[name] = weight.astype(mx.float16).astype(mx.float32)
-                continue
-            bits, group = plan
-            plans.add(f"{bits}-bit, group {group}")
-            q = mx.quantize(weight, group_size=group, bits=bits)
-            scales, biases = (a.astype(mx.float16).astype(mx.float32) for a in q[1:])
-            changed[name] = mx.dequantize(q[0], scales, biases, group_size=group, bits=bits)
+            how = "re-quantized"
+            if qtype in REPACKED or qtype in BLOCK_AFFINE:
+                how = "repacked" if qtype in REPACKED else "levels kept"
+            widths.add(f"{c.bits}-bit/{c.group_size} {how}")
+            changed[name] = mx.dequantize(
+                c.arrays["weight"], c.arrays["scales"].astype(mx.float32),
+                c.arrays["biases"].astype(mx.float32), group_size=c.group_size, bits=c.bits,
+            )  # fmt: skip
         model.update(tree_unflatten(list(changed.items())))
         top1, kl, cos = compare(reference, logits(model, tokens))
         model.update(tree_unflatten([(n, exact[n]) for n in changed]))
-        how = "; ".join(sorted(plans))
-        print(f"| {qtype} | {len(names)} | {how} | {top1:.1%} | {kl:.4f} | {cos:.5f} |")
-
+        how = "; ".join(sorted(widths)) if label != "all" else "as served"
+        print(f"| {label} | {len(tensors)} | {how} | {top1:.1%} | {kl:.4f} | {cos:.5f} |")
 
 if __name__ == "__main__":
     main()
