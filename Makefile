@@ -23,11 +23,13 @@ install: $(STAMP)
 # a preloaded OpenBLAS from the caller's environment is cleared on purpose.
 # The real-weights parity set (marker `real`) compares the engine with live mlx-lm
 # in one process; it runs first, in a pytest run of its own with OpenBLAS preloaded
-# (the bundled BLAS would take many minutes), on the default model fetched once
-# into ~/.cache/mlx-nursery (skipped when it cannot be fetched).
+# (the bundled BLAS would take many minutes), on the default model and Gemma 3
+# 270M (a K-quant SentencePiece GGUF) fetched once into ~/.cache/mlx-nursery
+# (skipped when they cannot be fetched).
 test: install openblas chromium clients
 	$(BIN)/ruff check .
-	$(BIN)/mlx-nursery models --fetch || echo "default model not fetched: the real-weights set will skip"
+	$(BIN)/mlx-nursery models --fetch smollm2-135m-instruct gemma-3-270m \
+	  || echo "registry models not fetched: their real-weights tests will skip"
 	env LD_PRELOAD=$$(ls /usr/lib/*/openblas-pthread/libopenblas.so.0 2>/dev/null | head -1) \
 	  $(BIN)/python -m pytest -m real $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	env -u LD_PRELOAD $(BIN)/python -m pytest -m "not real" $(PYTEST_ARGS)
