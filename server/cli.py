@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import trio
 from mlx_nursery.actors import EngineSettings, InvalidRequest, models, open_engine, stores
+from mlx_nursery.actors.loading import float_dtype
 from mlx_nursery.actors.ranks import check_shardable
 
 from . import bench, launch, top
@@ -249,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--ranks: must be 1 or more")
         if ranks > 1 and not launch.in_launch():
             try:
-                check_shardable(models.resolve(settings.model), ranks)
+                dtype = float_dtype(settings.engine.dtype)
+                check_shardable(models.resolve(settings.model, dtype), ranks)
             except InvalidRequest as exc:
                 parser.error(f"--ranks: {exc}")
             maybe_reexec_with_openblas(argv)
