@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -94,6 +95,15 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def file_digest(path: Path) -> str:
+    """The file's sha256: read from the name of a content-addressed blob
+    (Ollama's ``sha256-<hex>``, checked by Ollama when it pulled it), else
+    computed (a large file takes a while)."""
+    if re.fullmatch(r"sha256-[0-9a-f]{64}", path.name):
+        return path.name.removeprefix("sha256-")
+    return sha256(path)
+
+
 def cache_root() -> Path:
     """Where converted and downloaded models live (``MLX_NURSERY_CACHE`` overrides)."""
     env = os.environ.get("MLX_NURSERY_CACHE")
@@ -118,7 +128,7 @@ def converted(
             raise GGUFError(f"{path}: not a GGUF file (it does not start with 'GGUF')")
     root = (cache or cache_root()) / "models"
     stem = (name or path.stem).lower().replace("/", "-").replace(":", "-")
-    base = root / f"{stem}-{sha256(path)[:16]}"
+    base = root / f"{stem}-{file_digest(path)[:16]}"
     out = base if mode == "affine" else base.with_name(f"{base.name}-{mode}")
     for candidate in (out, base):
         if (candidate / "config.json").is_file() and (
