@@ -10,10 +10,11 @@ half-written model behind.
 
 Weights, tensor by tensor (``gguf_tensors``): floats pass through; Q4_0, Q4_1 and
 Q8_0 are repacked exactly into MLX's affine layout; every other type the
-``gguf`` package reads (K-quants, Q5_x, IQ...) is re-quantized to MLX's affine
-4 or 8 bits (mode ``affine``, the default) or dequantized to the float dtype the
-model is loaded in (modes ``float32``, ``float16``, ``bfloat16``), so
-``--dtype float32`` computes with the file's exact values.
+``gguf`` package reads (K-quants, Q5_x, IQ...) goes into MLX's affine 4 or 8 bits,
+its levels kept where its blocks allow, else re-quantized (mode ``affine``, the
+default), or is dequantized to the float dtype the model is loaded in (modes
+``float32``, ``float16``, ``bfloat16``), so ``--dtype float32`` computes with the
+file's exact values.
 
 Architectures (``ARCHITECTURES``) map to the mlx-lm model class of the same
 family: ``llama`` (SmolLM2, Llama 2/3 with Llama-3 RoPE scaling, Mistral-style;
