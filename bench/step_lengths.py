@@ -1,0 +1,79 @@
+"""Where the flood's decode time goes: one decode step of a batch under
+mlx-lm's ``BatchKVCache`` as the rows' lengths vary, and the attention alone.
+
+The flood (issue #25) puts B's ~1,700-token row beside A's ~600-token rows:
+every row of the batch then attends over the longest row's keys (left
+padding), and A has three of the four slots. This measures both effects
+on the benchmark model, plus scaled-dot-product attention by itself.
+
+    python bench/step_lengths.py [MODEL_DIR]   (default: the 31M bench model)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+
+def timed(fn, runs: int = 30) -> float:
+    import mlx.core as mx
+
+    for _ in range(3):
+        mx.eval(fn())
+    start = time.perf_counter()
+    for _ in range(runs):
+        mx.eval(fn())
+    return (time.perf_counter() - start) / runs * 1000
+
+
+def step_ms(model, lengths: list[int]) -> float:
+    """One decode step of rows of these lengths, left-padded in one batch."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    longest = max(lengths)
+    pads = [longest - n for n in lengths]
+    caches = [BatchKVCache(pads) for _ in model.layers]
+    tokens = mx.array([[0] * p + [5] * n for p, n in zip(pads, lengths, strict=True)])
+    for i in range(0, longest, 512):
+        model(tokens[:, i : i + 512], cache=caches)
+        mx.eval([c.state for c in caches])
+    step = mx.array([[7]] * len(lengths))
+    return timed(lambda: model(step, cache=caches))
+
+
+def attention_ms(rows: int, heads: int, head_dim: int, length: int, layers: int) -> float:
+    import mlx.core as mx
+
+    q = mx.random.normal((rows, heads, 1, head_dim))
+    k = mx.random.normal((rows, heads, length, head_dim))
+    v = mx.random.normal((rows, heads, length, head_dim))
+    scale = head_dim**-0.5
+    return layers * timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), 100)
+
+
+def main() -> None:
+    from mlx_lm import load
+
+    default = Path.home() / ".cache/mlx-nursery/bench-llama-30m"
+    folder = sys.argv[1] if len(sys.argv) > 1 else default
+    model, _ = load(str(folder))
+    args = model.args
+    heads, layers = args.num_attention_heads, args.num_hidden_layers
+    head_dim = args.hidden_size // heads
+    print(f"{folder}: one decode step (ms)\n")
+    print("| rows' lengths | step (ms) | A's tokens per second in it |")
+    print("| --- | --- | --- |")
+    for lengths in ([600] * 4, [600] * 3 + [1700], [1700] * 4, [600] * 3, [1700], [200] * 4):
+        ms = step_ms(model, lengths)
+        a_rows = sum(1 for n in lengths if n == 600)
+        rate = f"{a_rows / ms * 1000:.0f}" if a_rows else "-"
+        print(f"| {', '.join(map(str, lengths))} | {ms:.1f} | {rate} |", flush=True)
+    print("\n| attention alone, 4 rows x all layers | ms |\n| --- | --- |")
+    for length in (600, 1700):
+        print(f"| {length} keys | {attention_ms(4, heads, head_dim, length, layers):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
