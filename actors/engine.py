@@ -310,7 +310,9 @@ async def open_engine(
     gpu.start()
     sharded = group is not None and group.size() > 1
     try:
-        loaded, tokenizer, info = await gpu.call_here(load_model, model, settings.dtype, group)
+        loaded, tokenizer, info = await gpu.call_here(
+            load_model, model, settings.dtype, group, settings.ragged_attention
+        )
         if sharded and group.rank() != 0:
             await gpu.call_here(follow, loaded, group)
             yield None

@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 
+from . import ragged
 from .budget import LayerCost, probe
 from .models import resolve, short_id
 from .ranks import SharedInputs, sharded_load
@@ -29,7 +30,9 @@ class ModelInfo:
     think: tuple[str, str] | None = None
 
 
-def load_model(model: Any, dtype: str | None, group: Any = None) -> tuple[Any, Any, ModelInfo]:
+def load_model(
+    model: Any, dtype: str | None, group: Any = None, ragged_attention: bool = True
+) -> tuple[Any, Any, ModelInfo]:
     """Load (a directory, hub id or GGUF file; or take a ``(model, tokenizer)``
     pair), cast (see :func:`cast`), and inspect the model's caches.
 
@@ -54,6 +57,7 @@ def load_model(model: Any, dtype: str | None, group: Any = None) -> tuple[Any, A
     else:
         model, tokenizer = model
     cast(model, dtype)
+    (ragged.install if ragged_attention else ragged.uninstall)(model)
     if sharded:
         model = SharedInputs(model, group)
     caches = make_prompt_cache(model)

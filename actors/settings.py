@@ -76,6 +76,21 @@ def _off_or_float(text: str) -> float | None:
     return None if text.strip().lower() in ("off", "none") else float(text)
 
 
+def _on_off(text: str) -> bool:
+    word = text.strip().lower()
+    if word not in ("on", "off", "true", "false"):
+        raise ValueError(f"expected on or off, got {text!r}")
+    return word in ("on", "true")
+
+
+def _boolean(_, attribute, value) -> None:
+    if not isinstance(value, bool):
+        raise InvalidRequest(
+            f"{attribute.name} must be true or false (on or off), got {value!r}",
+            param=attribute.name,
+        )
+
+
 def _dtype(_, attribute, value) -> None:
     if value is not None and value not in DTYPES:
         raise InvalidRequest(
@@ -182,6 +197,12 @@ class EngineSettings:
         help="seconds a session below its share of the batch waits for a free slot before "
         "a row of a session over its share is paused for it (its KV kept, resumed "
         "token-exact); off never pauses",
+    )  # fmt: skip
+    ragged_attention: bool = setting(
+        True, validator=_boolean, parse=_on_off, shown="on",
+        help="decode steps whose rows' lengths differ widely attend row by row over each "
+        "row's own keys instead of over the batch padded to its longest row "
+        "(actors/ragged.py); off: mlx-lm's padded attention. A choice for the process",
     )  # fmt: skip
     # A GPU call running longer than this marks the engine unhealthy (/health 503).
     step_timeout: float = setting(

@@ -1,5 +1,6 @@
 """Where the flood's decode time goes: one decode step of a batch under
-mlx-lm's ``BatchKVCache`` as the rows' lengths vary, and the attention alone.
+mlx-lm's ``BatchKVCache`` as the rows' lengths vary (mlx-lm's padded attention,
+and ``actors/ragged.py``'s row by row), and the attention alone.
 
 The flood (issue #25) puts B's ~1,700-token row beside A's ~600-token rows:
 every row of the batch then attends over the longest row's keys (left
@@ -55,6 +56,7 @@ def attention_ms(rows: int, heads: int, head_dim: int, length: int, layers: int)
 
 def main() -> None:
     from mlx_lm import load
+    from mlx_nursery.actors import ragged
 
     default = Path.home() / ".cache/mlx-nursery/bench-llama-30m"
     folder = sys.argv[1] if len(sys.argv) > 1 else default
@@ -62,14 +64,18 @@ def main() -> None:
     args = model.args
     heads, layers = args.num_attention_heads, args.num_hidden_layers
     head_dim = args.hidden_size // heads
-    print(f"{folder}: one decode step (ms)\n")
-    print("| rows' lengths | step (ms) | A's tokens per second in it |")
-    print("| --- | --- | --- |")
-    for lengths in ([600] * 4, [600] * 3 + [1700], [1700] * 4, [600] * 3, [1700], [200] * 4):
-        ms = step_ms(model, lengths)
+    print(f"{folder}: one decode step (ms), padded (mlx-lm) and ragged (actors/ragged.py)\n")
+    print("| rows' lengths | padded (ms) | ragged (ms) | A's tok/s in it, padded | ragged |")
+    print("| --- | --- | --- | --- | --- |")
+    for lengths in ([600] * 4, [600] * 3 + [1700], [1700] * 4, [600] * 3, [1700]):
+        ragged.uninstall(model)
+        padded = step_ms(model, lengths)
+        ragged.install(model)
+        rowwise = step_ms(model, lengths)
         a_rows = sum(1 for n in lengths if n == 600)
-        rate = f"{a_rows / ms * 1000:.0f}" if a_rows else "-"
-        print(f"| {', '.join(map(str, lengths))} | {ms:.1f} | {rate} |", flush=True)
+        rates = [f"{a_rows / ms * 1000:.0f}" if a_rows else "-" for ms in (padded, rowwise)]
+        print(f"| {', '.join(map(str, lengths))} | {padded:.1f} | {rowwise:.1f} | "
+              f"{' | '.join(rates)} |", flush=True)  # fmt: skip
     print("\n| attention alone, 4 rows x all layers | ms |\n| --- | --- |")
     for length in (600, 1700):
         print(f"| {length} keys | {attention_ms(4, heads, head_dim, length, layers):.1f} |")

@@ -1,0 +1,99 @@
+"""Ragged attention in decode steps: each row attends over its own keys only.
+
+mlx-lm's ``BatchKVCache`` left-pads every row to the longest one, and a decode
+step's attention then reads ``rows x longest`` keys, the padding masked out. On
+a memory-bound device that is most of a step when one row is much longer than
+the rest: a main agent's long history beside its sub-agents' short prompts
+(``bench/step_lengths.py``: three 600-token rows beside a 1,700-token one spend
+50 ms of a 76 ms step in attention, against 15 ms for four 600-token rows).
+
+:func:`install` wraps the ``scaled_dot_product_attention`` the model's modules
+call (mlx-lm's own, unchanged otherwise): in a decode step (one query per row)
+over a ``BatchKVCache`` whose padding is at least ``WASTE`` of the keys, each
+row's attention runs on its own keys (from its left padding on), without a
+mask. That is the computation a lone row does, so the result is a lone row's
+(to float rounding; the masked padded form differs from it alike). Prefill
+chunks, rotating and quantized caches, and batches with little padding take
+the original path.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+WASTE = 0.25  # the share of padded keys above which rows attend one by one
+# The model modules whose decode mask is the padding and nothing else (a sliding
+# window lives in their rotating caches, which take the original path).
+FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "gemma3_text",
+    "smollm3",
+)  # fmt: skip
+_MARKER = "_mlx_nursery_ragged"
+calls = 0  # attention calls taken row by row in this process (for tests and benchmarks)
+
+
+def _namespaces(model: Any) -> list[Any]:
+    """The mlx-lm model modules (of ``FAMILIES``) ``model`` is built from."""
+    found = {}
+    for _, module in model.named_modules():
+        name = type(module).__module__
+        if name.rpartition(".")[2] in FAMILIES and name in sys.modules:
+            found[name] = sys.modules[name]
+    return list(found.values())
+
+
+def install(model: Any) -> int:
+    """Wrap the attention of the mlx-lm modules ``model`` is built from (for the
+    whole process); returns how many were wrapped now (0: already, or none)."""
+    wrapped = 0
+    for namespace in _namespaces(model):
+        original = getattr(namespace, "scaled_dot_product_attention", None)
+        if original is None or getattr(original, _MARKER, False):
+            continue
+        namespace.scaled_dot_product_attention = ragged(original)
+        wrapped += 1
+    return wrapped
+
+
+def uninstall(model: Any) -> None:
+    """mlx-lm's own attention back in the modules ``model`` is built from."""
+    for namespace in _namespaces(model):
+        current = getattr(namespace, "scaled_dot_product_attention", None)
+        if getattr(current, _MARKER, False):
+            namespace.scaled_dot_product_attention = current.__wrapped__
+
+
+def ragged(original: Any) -> Any:
+    def attention(queries, keys, values, cache, scale, mask, sinks=None, **extra):
+        pads = padding(cache, queries, keys)
+        if pads is None or sinks is not None or extra:
+            return original(queries, keys, values, cache, scale, mask, sinks=sinks, **extra)
+        import mlx.core as mx
+
+        global calls
+        calls += 1
+        rows = [
+            mx.fast.scaled_dot_product_attention(
+                queries[i : i + 1], keys[i : i + 1, :, p:], values[i : i + 1, :, p:], scale=scale
+            )
+            for i, p in enumerate(pads)
+        ]
+        return mx.concatenate(rows, axis=0)
+
+    setattr(attention, _MARKER, True)
+    attention.__wrapped__ = original
+    return attention
+
+
+def padding(cache: Any, queries: Any, keys: Any) -> list[int] | None:
+    """Each row's left padding when rows should attend one by one, else None."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    if type(cache) is not BatchKVCache or queries.shape[2] != 1 or queries.shape[0] < 2:
+        return None
+    pads = cache.left_padding.tolist()
+    length = keys.shape[2]
+    if sum(pads) < WASTE * length * len(pads) or max(pads) >= length:
+        return None
+    return pads
