@@ -112,8 +112,8 @@ def add_settings(parser: argparse.ArgumentParser, cls: type, defaults: object) -
         names = [meta["flag"] or "--" + field.name.replace("_", "-"), *meta["aliases"]]
         options: dict = {"dest": field.name, "default": argparse.SUPPRESS,
                          "help": f"{meta['help']} (default: {shown})"}  # fmt: skip
-        if isinstance(default, bool):
-            options["action"] = "store_true"
+        if isinstance(default, bool) and meta["parse"] is None:
+            options["action"] = "store_true"  # off by default: the flag turns it on
         else:
             options["type"] = _flag_type(meta["parse"] or type(default))
         parser.add_argument(*names, **options)

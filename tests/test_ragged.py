@@ -56,3 +56,22 @@ async def test_rows_of_very_different_lengths_decode_as_lone_rows(family):
     assert ragged.calls > before, "the long row made the short ones attend row by row"
     for i, tokens in enumerate(want):
         assert results[i] == tokens, i
+
+
+def test_the_flag_turns_it_off_for_the_process(capsys):
+    import mlx_lm.models.llama as llama_module
+    from mlx_nursery.actors.loading import load_model
+    from mlx_nursery.server.cli import build_parser, main, settings_from
+
+    args = build_parser().parse_args(["serve", "--model", "x", "--ragged-attention", "off"])
+    assert settings_from(args).engine.ragged_attention is False
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "x", "--ragged-attention", "maybe"])
+    assert "--ragged-attention: expected on or off" in capsys.readouterr().err
+
+    from conftest import model_path
+
+    load_model(str(model_path("llama")), None, ragged_attention=False)
+    assert not hasattr(llama_module.scaled_dot_product_attention, "__wrapped__")
+    load_model(str(model_path("llama")), None)
+    assert llama_module.scaled_dot_product_attention.__wrapped__ is not None
