@@ -23,6 +23,14 @@ def golden(family: str) -> dict:
     return json.loads((GOLDENS / "tokens" / f"{family}.json").read_text())
 
 
+@pytest.fixture
+def model_cache(tmp_path, monkeypatch) -> Path:
+    """A fresh model cache (``MLX_NURSERY_CACHE``): converted and downloaded models."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("MLX_NURSERY_CACHE", str(root))
+    return root
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param

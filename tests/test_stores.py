@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlx_nursery.actors import stores
 from mlx_nursery.actors.models import resolve, short_id
-from test_gguf import write_gguf
+from test_gguf import assert_served_as, write_gguf
 
 
 def ollama_store(root: Path, name: str, tag: str, gguf: Path, namespace: str = "library") -> Path:
@@ -127,18 +127,7 @@ def test_a_missing_store_model_is_a_usage_error_naming_the_flag(homes, capsys):
 
 
 async def test_serve_takes_an_ollama_model_by_name(homes):
-    import httpx
-    import trio
-    from conftest import running_server
-
     gguf = homes / "tiny.gguf"
     write_gguf(gguf)
     ollama_store(homes / "ollama", "tinyllama", "1b", gguf)
-    with trio.fail_after(60):
-        async with running_server(model="ollama:tinyllama:1b") as (url, _):
-            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-                models = (await client.get("/v1/models")).json()
-                assert [m["id"] for m in models["data"]] == ["tinyllama:1b"]
-                body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
-                r = await client.post("/v1/chat/completions", json=body)
-                assert r.status_code == 200 and r.json()["model"] == "tinyllama:1b"
+    await assert_served_as("ollama:tinyllama:1b", "tinyllama:1b")
