@@ -223,21 +223,22 @@ def _write_weights(
         qtype = types[tensor.name]
         base = tensor.name.removesuffix(".weight")
         if base in _ROPE_TENSORS:
-            rope[base] = dequantize(tensor, qtype, (int(np.prod(tensor.shape)),))
+            size = int(np.prod(tensor.shape))
+            rope[base] = dequantize(tensor.name, np.asarray(tensor.data), qtype, (size,))
             continue
         name = _hf_name(tensor.name, arch)
-        converted = convert_tensor(tensor, qtype, mode)
+        made = convert_tensor(tensor, qtype, mode)
         if name.endswith(".bias"):
-            shards.add(name, converted.arrays["weight"])
+            shards.add(name, made.arrays["weight"])
             continue
         layer = name.removesuffix(".weight")
         if arch == "gemma3" and layer.endswith("norm"):
             # llama.cpp stores Gemma's norms as 1 + w; mlx-lm's RMSNorm adds the 1.
-            converted.arrays["weight"] = converted.arrays["weight"] - 1
-        for suffix, array in converted.arrays.items():
+            made.arrays["weight"] = made.arrays["weight"] - 1
+        for suffix, array in made.arrays.items():
             shards.add(f"{layer}.{suffix}", array)
-        if converted.bits is not None:
-            quant[layer] = {"group_size": converted.group_size, "bits": converted.bits}
+        if made.bits is not None:
+            quant[layer] = {"group_size": made.group_size, "bits": made.bits}
     shards.close()
     return shards.names, quant, rope
 
@@ -246,16 +247,20 @@ class _Shards:
     """safetensors files of about ``SHARD_BYTES`` each, with mlx-lm's index."""
 
     def __init__(self, out: Path) -> None:
-        self.out, self.names = out, set()
+        self.out = out
         self._pending: dict[str, Any] = {}
         self._bytes, self._files, self._index = 0, 0, {}
+
+    @property
+    def names(self) -> set[str]:
+        """Every tensor name added."""
+        return {*self._index, *self._pending}
 
     def add(self, name: str, array: Any) -> None:
         import mlx.core as mx
 
         mx.eval(array)
         self._pending[name] = array
-        self.names.add(name)
         self._bytes += array.nbytes
         if self._bytes >= SHARD_BYTES:
             self._flush()

@@ -75,7 +75,7 @@ def convert_tensor(tensor: Any, qtype: str, mode: str) -> Converted:
         return Converted({"weight": raw.view(mx.bfloat16)})
     if qtype in REPACKED:
         return repack(data, qtype, shape)
-    values = dequantize(tensor, qtype, shape)
+    values = dequantize(tensor.name, data, qtype, shape)
     if mode != "affine" or len(shape) < 2:
         return Converted({"weight": mx.array(values).astype(getattr(mx, mode, mx.float32))})
     plan = requant_plan(qtype, shape[-1])
@@ -83,7 +83,7 @@ def convert_tensor(tensor: Any, qtype: str, mode: str) -> Converted:
         return Converted({"weight": mx.array(values).astype(mx.float16)})
     bits, group = plan
     if qtype in BLOCK_AFFINE:
-        levels, scales, biases = block_affine(np.asarray(tensor.data), qtype, values)
+        levels, scales, biases = block_affine(data, qtype, values)
         return packed(levels, scales, biases, bits, shape)
     weight, scales, biases = mx.quantize(mx.array(values), group_size=group, bits=bits)
     arrays = {"weight": weight, "scales": scales.astype(mx.float16)}
@@ -103,7 +103,7 @@ def block_affine(
     blocks = data.view(np.uint8).reshape(-1, size)
 
     def f16(at: int) -> np.ndarray:
-        return blocks[:, at : at + 2].copy().view(np.float16)[:, 0].astype(np.float32)
+        return _f16(blocks, at).astype(np.float32)
 
     if qtype in ("Q4_K", "Q5_K"):  # super-blocks of 8 groups: d * sc and -dmin * m
         sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
@@ -141,15 +141,20 @@ def packed(
     )
 
 
-def dequantize(tensor: Any, qtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The tensor as float32, dequantized by the ``gguf`` package."""
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 field at byte ``at`` of each block (a row of ``blocks``)."""
+    return blocks[:, at : at + 2].copy().view(np.float16)[:, 0]
+
+
+def dequantize(name: str, data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor ``name``'s raw ``data`` as float32, dequantized by the ``gguf`` package."""
     import gguf
 
     try:
-        values = gguf.quants.dequantize(np.asarray(tensor.data), gguf.GGMLQuantizationType[qtype])
+        values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype])
     except NotImplementedError:
         raise TensorError(
-            f"tensor {tensor.name} uses quantization {qtype}, which cannot be read here; "
+            f"tensor {name} uses quantization {qtype}, which cannot be read here; "
             "use a file quantized as Q4_0, Q4_1, Q8_0, Q5_x, a K-quant (Q2_K-Q6_K), "
             "an IQ type, F16 or BF16"
         ) from None
@@ -167,11 +172,11 @@ def repack(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> Converted:
     head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[qtype]
     size = head + (32 if qtype == "Q8_0" else 16)
     blocks = data.view(np.uint8).reshape(-1, size)
-    d = blocks[:, 0:2].copy().view(np.float16)[:, 0]
+    d = _f16(blocks, 0)
     body = blocks[:, head:]
     if qtype == "Q8_0":
         levels = (body.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return packed(levels, d, -128 * d, 8, shape)  # a power of two: exact in float16
     levels = np.concatenate([body & 0x0F, body >> 4], axis=1)  # (blocks, 32) in order
-    biases = blocks[:, 2:4].copy().view(np.float16)[:, 0] if qtype == "Q4_1" else -8 * d
+    biases = _f16(blocks, 2) if qtype == "Q4_1" else -8 * d
     return packed(levels, d, biases, 4, shape)

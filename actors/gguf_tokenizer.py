@@ -22,8 +22,8 @@ from typing import Any
 SPACE = "\u2581"  # SentencePiece's space marker
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-# llama.cpp's pre-tokenizer names -> the split regex HF's tokenizer.json uses.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# llama.cpp's pre-tokenizer names -> the split regex HF's tokenizer.json uses (any
+# other name: ByteLevel's own GPT-2 split).
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
