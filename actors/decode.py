@@ -29,7 +29,8 @@ from .prefill import Join
 from .prompt_cache import Put, worth_keeping
 from .request import FinishReason
 from .row import Cancel, End, Finish, NotPaused, Pause, Paused, Phase, Row
-from .rows import Batch, Sampled
+from .rows import Batch, Read, Speculation, fit
+from .speculate import DRAFTERS
 from .stats import Count, Gauge, Metric, Observe, Stats
 
 MAILBOX_SIZE = 4096
@@ -38,11 +39,13 @@ CLEAR_CACHE_EVERY = 256  # steps between mx.clear_cache(), as generate_step does
 # the batch is compacted (a copy of every row that stays); sooner when half the
 # batch is retired. Each turn it waits costs one row's share of a step.
 RETIRED_TURNS = 8
+DRAFTED = {"prompt": Metric.DRAFTED_PROMPT, "suffix": Metric.DRAFTED_SUFFIX}
+ACCEPTED = {"prompt": Metric.ACCEPTED_PROMPT, "suffix": Metric.ACCEPTED_SUFFIX}
 
 
 @attrs.frozen
 class StepResult:
-    sampled: list[Sampled | None]  # one per slot, in batch order
+    sampled: list[Read | None]  # one per slot, in batch order
     layout: list[int | None]  # the row id in each slot (None: retired), after the joins
     kv_bytes: int
     padding_waste: float
@@ -86,11 +89,13 @@ class AdvanceResult:
     saved: list[list[Any]]  # the leaving joiners' caches, in ``save`` order
 
 
-def _leave(batch: Batch, leave: list[int], save: list[int]) -> LeaveResult:
+def _leave(batch: Batch, leave: list[int], save: list[int], lengths: list[int]) -> LeaveResult:
     """Rows at ``leave`` end (retired in place, or filtered out); ``save`` rows'
-    caches come back first. GPU thread."""
+    caches come back first, cut to ``lengths`` tokens (what their rows read: a
+    verify step may have fed a row more before it ended). GPU thread."""
     before = batch.copied
-    saved = batch.retire(leave, save)
+    batch.remember(leave)
+    saved = [fit(c, n) for c, n in zip(batch.retire(leave, save), lengths, strict=True)]
     copied = batch.copied - before
     return LeaveResult(saved, batch.layout(), batch.nbytes, batch.padding_waste(), copied)
 
@@ -132,6 +137,7 @@ class Decode:
     to_emitter: trio.MemorySendChannel
     to_admission: trio.MemorySendChannel
     to_prompt_cache: trio.MemorySendChannel | None
+    speculation: Speculation | None = None  # drafting (None: plain steps only)
     _batch: Batch = attrs.field(init=False)
     # DECODING rows in batch order; None: a retired slot (see rows.Batch.retire).
     _rows: list[Row | None] = attrs.field(factory=list, init=False)
@@ -141,7 +147,7 @@ class Decode:
     _pausing: list[int] = attrs.field(factory=list, init=False)  # row ids asked to pause
 
     def __attrs_post_init__(self) -> None:
-        self._batch = Batch(self.model)
+        self._batch = Batch(self.model, spec=self.speculation)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with closing(self.inbox, self.to_emitter, self.to_admission, self.to_prompt_cache):
@@ -240,17 +246,42 @@ class Decode:
         for row in gone:
             await self._free(row, announced=False)
 
-    async def _emit(self, sampled: list[Sampled | None]) -> None:
+    async def _emit(self, reads: list[Read | None]) -> None:
         out = []
-        for row, s in zip(self._rows, sampled, strict=True):
-            if s is None or row is None or row.end is not None:
-                continue  # a first token already delivered, or a row already ending
-            if s.error is not None:  # its own work failed: it alone ends
-                row.ask_end(End(FinishReason.ERROR, s.error))
-                self.stats.post(Count(Metric.ROW_FAULTS))
+        drafted = dict.fromkeys(DRAFTERS, 0)
+        kept = dict.fromkeys(DRAFTERS, 0)
+        tokens = forwards = verified = 0
+        for row, read in zip(self._rows, reads, strict=True):
+            if read is None or row is None:
                 continue
-            # read = fed: exactly what the row's KV holds
-            out.append(TokenOut.accepted(row, s.token, s.logprob, s.top_logprobs))
+            if read.drafter is not None:
+                verified = 1
+                drafted[read.drafter] += read.drafted
+                kept[read.drafter] += read.accepted
+            if row.end is not None:
+                continue  # a row already ending
+            row.drafted += read.drafted
+            row.accepted += read.accepted
+            if read.tokens:
+                row.forwards += 1
+                row.decoded += len(read.tokens)
+                forwards += 1
+                tokens += len(read.tokens)
+            for s in read.tokens:
+                if s.error is not None:  # its own work failed: it alone ends
+                    row.ask_end(End(FinishReason.ERROR, s.error))
+                    self.stats.post(Count(Metric.ROW_FAULTS))
+                    break
+                # read = fed: what the row's KV holds (beyond an end: cut when it leaves)
+                out.append(TokenOut.accepted(row, s.token, s.logprob, s.top_logprobs))
+                if out[-1].ends:
+                    break
+        self.stats.post(
+            Count(Metric.DECODE_TOKENS, tokens), Count(Metric.ROW_FORWARDS, forwards),
+            Count(Metric.VERIFY_STEPS, verified),
+            *(Count(DRAFTED[d], n) for d, n in drafted.items() if n),
+            *(Count(ACCEPTED[d], n) for d, n in kept.items() if n),
+        )  # fmt: skip
         # Finished rows leave before their last event goes out: their KV is in the
         # prompt cache and their slot free by the time a client can follow up.
         if await self._leave(pending=tuple(out)) and out:
@@ -266,8 +297,9 @@ class Decode:
             return True
         gone = [self._rows[i] for i in leave]
         save = [i for i in leave if self._keeps(self._rows[i])]
+        lengths = [len(self._rows[i].prompt) + len(self._rows[i].tokens) for i in save]
         try:
-            left = await self.gpu.call(_leave, self._batch, leave, save)
+            left = await self.gpu.call(_leave, self._batch, leave, save, lengths)
         except Exception as exc:
             await self._fault(exc, pending)
             return False
@@ -364,7 +396,7 @@ class Decode:
             await self.to_emitter.send(Tokens(pending))
         announced = {o.row.id for o in pending if o.ends}
         rows, self._rows = self._live(), []
-        self._batch = Batch(self.model)
+        self._batch = Batch(self.model, spec=self.speculation)
         for row in rows:
             row.ask_end(End(FinishReason.ERROR, message))
             await self._free(row, announced=row.id in announced)

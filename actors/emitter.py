@@ -21,7 +21,7 @@ import enum
 import attrs
 import trio
 
-from .request import Event, FinishReason, TopLogprob, Usage
+from .request import Drafts, Event, FinishReason, TopLogprob, Usage
 from .row import Cancel, Finish, Row
 from .stats import Count, Metric, Observe, Stats
 from .tools import GENERIC, ReasoningScanner, ToolScanner, held_prefix
@@ -272,4 +272,7 @@ def usage_of(row: Row, d: _Delivery, finished: float) -> Usage:
         decode_tokens_per_second=decode_rate,
         cache=row.cache_report,
         session=row.session,
+        drafts=Drafts(row.drafted, row.accepted, row.forwards, row.decoded)
+        if row.drafted
+        else None,
     )

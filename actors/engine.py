@@ -41,6 +41,7 @@ from .prompt_cache import PromptCacheActor
 from .ranks import RankWatch, follow, lead, rank_figures
 from .request import Result
 from .row import Cancel, Phase, Row, RowView, SessionView, sessions, tree, view
+from .rows import Speculation
 from .serial import Serial
 from .settings import EngineSettings
 from .stats import Count, Metric, Mode, Stats, StatsSnapshot
@@ -320,7 +321,8 @@ async def open_engine(
         if sharded:
             gpu.replica = await gpu.call_here(lead, loaded, group)
             # Followers do not mirror a paused row's one-row batch (yet): never pause.
-            settings = attrs.evolve(settings, pause_after=None)
+            # Nor a verify step (drafts and what was kept are rank 0's): never draft.
+            settings = attrs.evolve(settings, pause_after=None, speculative=False)
         if settings.context_length is not None:
             info = attrs.evolve(info, context_length=settings.context_length)
         budget = settings.kv_budget
@@ -394,6 +396,7 @@ def _wire(
         }
 
     steps, think = settings.prefill_step_size, info.think
+    speculation = Speculation(settings.draft_tokens) if settings.speculative else None
     admitter = Admission(
         settings.batch,
         budget,
@@ -411,7 +414,7 @@ def _wire(
     actors: list[Any] = [
         stats,
         Emitter(tokenizer, stats, inbox=emit.inbox, to_admission=adm.clone(), think=think),
-        Decode(model, gpu, stats, inbox=dec.inbox, **ends()),
+        Decode(model, gpu, stats, inbox=dec.inbox, speculation=speculation, **ends()),
         Serial(model, gpu, stats, steps, inbox=ser.inbox, **ends()),
         PrefillActor(
             model,

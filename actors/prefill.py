@@ -247,8 +247,9 @@ class PrefillActor:
                 row.move(Phase.PREFILLING)
                 row.times.prefill_started = trio.current_time()
                 row.work = Prefill(
-                    self.model, row.prompt, row.params, self.step_size, row_id=row.id
-                )
+                    self.model, row.prompt, row.params, self.step_size, row_id=row.id,
+                    stop_ids=row.stop_ids,
+                )  # fmt: skip
                 if row.snapshot_at is not None and 0 < row.snapshot_at < len(row.prompt):
                     row.work.snapshot_at.add(row.snapshot_at)
                 self.stats.post(Count(Metric.PROMPT_TOKENS, len(row.prompt)))

@@ -161,6 +161,9 @@ class SamplingParams:
     tool_choice: Any = None
     parallel_tool_calls: bool = attrs.field(default=True, validator=_flag)
     tool_format: Any = None  # set by the intake: a tools.ToolFormat
+    # Speculative decoding for this request (an extension field): true (the
+    # server's drafting), false (none), or the most draft tokens per step.
+    speculative: bool | int = attrs.field(default=True)
     # Extra chat-template arguments for this request (e.g. {"enable_thinking": false}
     # where the template switches thinking), on top of the engine's.
     chat_template_kwargs: Mapping[str, Any] | None = attrs.field(default=None)
@@ -174,6 +177,15 @@ class SamplingParams:
     def _processors(self, attribute, value) -> None:
         if not all(callable(p) for p in value):
             _fail("logits_processors", "logits_processors must be callables fn(tokens, logits)")
+
+    @speculative.validator
+    def _speculative(self, attribute, value) -> None:
+        if not isinstance(value, bool) and not (_is_int(value) and 0 <= value <= 64):
+            _fail(
+                "speculative",
+                f"speculative must be true, false or a number of draft tokens from 0 to 64, "
+                f"got {value!r}",
+            )
 
     @seed.validator
     def _seed(self, attribute, value) -> None:
@@ -189,6 +201,13 @@ class SamplingParams:
         if unknown:
             _fail(unknown[0], f"unknown parameter {unknown[0]!r}")
         return cls(**params)
+
+    @property
+    def max_draft(self) -> int | None:
+        """The most draft tokens this request allows per step (None: the server's)."""
+        if self.speculative is True:
+            return None
+        return int(self.speculative)
 
     @property
     def greedy(self) -> bool:
@@ -244,6 +263,21 @@ class CacheReport:
 
 
 @attrs.frozen
+class Drafts:
+    """One request's speculative decoding: draft tokens proposed and kept, and
+    the decode steps its tokens took."""
+
+    drafted: int
+    accepted: int
+    forwards: int  # decode steps that read tokens from it
+    tokens: int  # tokens those steps read
+
+    @property
+    def tokens_per_forward(self) -> float | None:
+        return self.tokens / self.forwards if self.forwards else None
+
+
+@attrs.frozen
 class Usage:
     prompt_tokens: int
     cached_tokens: int
@@ -254,6 +288,7 @@ class Usage:
     decode_tokens_per_second: float | None
     cache: CacheReport | None = None  # the prompt-cache lookup, where there was one
     session: str | None = None  # the agent session the request ran in
+    drafts: Drafts | None = None  # its speculative decoding, where it drafted
 
     @property
     def total_tokens(self) -> int:

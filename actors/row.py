@@ -153,6 +153,12 @@ class Row:
     # (and while PAUSED: the row's own KV and pending token, taken out of the batch).
     work: Prefill | Batch | None = attrs.field(default=None, repr=False)
     end: End | None = None  # set once, by ask_end
+    # Speculative decoding figures (decode writes them): draft tokens proposed and
+    # kept, decode steps that read tokens from the row, and the tokens they read.
+    drafted: int = 0
+    accepted: int = 0
+    forwards: int = 0
+    decoded: int = 0
 
     def move(self, phase: Phase) -> None:
         if phase not in _NEXT[self.phase]:
@@ -204,6 +210,7 @@ class RowView:
     age: float  # seconds since submit
     time_to_first_token: float | None
     tokens_per_second: float | None
+    tokens_per_step: float | None = None  # tokens per decode step it was in (drafting > 1)
 
 
 def view(row: Row, now: float) -> RowView:
@@ -230,6 +237,7 @@ def view(row: Row, now: float) -> RowView:
         age=now - t.submitted,
         time_to_first_token=None if first is None else first - t.submitted,
         tokens_per_second=rate,
+        tokens_per_step=row.decoded / row.forwards if row.forwards else None,
     )
 
 

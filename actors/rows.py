@@ -11,17 +11,26 @@ joins; a lone row therefore runs the plain serial graph.
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, CacheList, TokenBuffer, make_prompt_cache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    CacheList,
+    KVCache,
+    TokenBuffer,
+    make_prompt_cache,
+)
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
 from .prompt_cache import clone
 from .ranks import Mirrored, mirrored
 from .request import SamplingParams, TopLogprob
+from .speculate import Drafter, Gate, Matches, SharedIndex
 
 
 def build_sampling(params: SamplingParams):
@@ -50,6 +59,47 @@ class Sampled:
     logprob: float | None
     top_logprobs: tuple[TopLogprob, ...] | None
     error: str | None = None  # this row's own work (processors, sampler, logprobs) failed
+
+
+@attrs.frozen
+class Read:
+    """What one step read from one slot: its tokens in order (a plain step reads
+    one, a verify step one and the drafts it kept; none when its pending token was
+    read at prime and no draft was kept), and what it drafted: ``drafted`` tokens
+    by ``drafter``, ``accepted`` of them kept."""
+
+    tokens: tuple[Sampled, ...]
+    drafter: str | None = None
+    drafted: int = 0
+    accepted: int = 0
+
+
+@attrs.define(eq=False)
+class Speculation:
+    """The running batch's drafting: the gate that sizes each step, the index
+    shared by every row, and the most drafts a row carries into a step."""
+
+    max_draft: int
+    gate: Gate = attrs.field(factory=Gate)
+    shared: SharedIndex | None = attrs.field(factory=SharedIndex)
+    matches: Matches = attrs.field(factory=Matches)
+
+
+@attrs.frozen
+class _Plan:
+    """What the slots could draft before a step: the gate's offers (drafter, tokens
+    proposed, whether the pending token is guessed) and each slot's proposal."""
+
+    offers: list[tuple[Drafter, int, bool]]
+    proposals: list[list[int]]
+
+
+@attrs.frozen
+class _Offer:
+    """One slot's drafts for a verify step (``tokens`` follow its pending token)."""
+
+    tokens: list[int]
+    drafter: str
 
 
 def row_fault(exc: BaseException) -> str:
@@ -91,6 +141,26 @@ class Slot:
     # A retired row's slot: still stepped (its output never read) until a joiner
     # is written over it in place or the batch is compacted.
     dead: bool = False
+    # Drafting (speculate.py). The row's ids that end it, and how many tokens it
+    # may still read, so a verify step keeps no draft past its end (Row.accept
+    # decides the same on the event loop); its prompt, for its drafter, made when
+    # it joins a batch that drafts.
+    stop_ids: frozenset[int] = frozenset()
+    left: int = 0
+    prompt: list[int] | None = attrs.field(default=None, repr=False)
+    drafter: Drafter | None = None
+    pending_known: bool = False  # the pending token is evaluated and in the drafter
+    first: int | None = None  # its first token, read at prime (for its drafter)
+    # Where its first tokens sit in the batch KV buffer, relative to its left
+    # padding, in token order (the tokens after them sit in order after them);
+    # None: all in order. Verify steps reorder a row's keys (Batch._roll_back);
+    # taking its KV out puts them back in order.
+    order: list[int] | None = attrs.field(default=None, repr=False)
+
+    def counted(self, token: int) -> bool:
+        """One more token read; True when the row ends on it."""
+        self.left -= 1
+        return token in self.stop_ids or self.left <= 0
 
     @classmethod
     def retired(cls) -> Slot:
@@ -139,13 +209,35 @@ def _write_row(cache: BatchKVCache, d: int, keys: mx.array, values: mx.array) ->
     cache.offset = mx.where(here, n, cache.offset)
 
 
-def _extracted(caches: Sequence[Any], i: int) -> list[Any]:
+def _extracted(caches: Sequence[Any], i: int, order: list[int] | None = None) -> list[Any]:
     """Row ``i``'s caches out of a batch, copied now: a lazy extract would keep
     the whole batch buffer alive in the prompt cache (and stop the batch's next
-    write into it from happening in place)."""
-    out = [c.extract(i) for c in caches]
+    write into it from happening in place). ``order``: where its tokens sit
+    (see ``Slot.order``), gathered back into token order."""
+    out = [c.extract(i) if order is None else _gathered(c, i, order) for c in caches]
     mx.eval([c.state for c in out])
     return out
+
+
+def _gathered(cache: BatchKVCache, i: int, order: list[int]) -> KVCache:
+    """Row ``i`` of a batch KV cache, its tokens gathered into token order
+    (``order`` for its first tokens; the rest were written in order after them)."""
+    pad = cache.left_padding[i].item()
+    at = mx.array([*order, *range(len(order), cache._idx - pad)]) + pad
+    out = KVCache()
+    out.keys = mx.contiguous(cache.keys[i : i + 1, :, at])
+    out.values = mx.contiguous(cache.values[i : i + 1, :, at])
+    out.offset = at.size
+    return out
+
+
+def fit(caches: list[Any], n: int) -> list[Any]:
+    """A leaving row's caches cut to its first ``n`` tokens: a step may have fed
+    it more than it read before it ended (a verify step's drafts past its end)."""
+    for c in caches:
+        if type(c) is KVCache and c.offset > n:
+            c.trim(c.offset - n)
+    return caches
 
 
 def _nbytes(caches: Sequence[Any]) -> int:
@@ -179,6 +271,10 @@ class Batch:
     # KV bytes copied so far by joins and leaves (merge, extend, filter, extract).
     copied: int = 0
     refilled: int = 0  # rows written over a retired slot so far
+    # The running batch's drafting (None: plain steps only; a joiner's batch).
+    spec: Speculation | None = None
+    # The last plain step: (rows, when it started), for the gate's cost figures.
+    _plain_at: tuple[int, float] | None = attrs.field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -194,6 +290,15 @@ class Batch:
     def layout(self) -> list[int | None]:
         """The row id in each slot, in batch order (None: a retired slot)."""
         return [None if s.dead else s.row_id for s in self.slots]
+
+    @property
+    def drafts_fit(self) -> bool:
+        """Whether a verify step can run here: every layer's cache can be cut back
+        row by row (plain KV caches; a lone row's solo ones)."""
+        if not self.caches or self.spec is None:
+            return False
+        kind = BatchKVCache if self.batched else KVCache
+        return all(type(c) is kind for c in self.caches)
 
     @property
     def reusable(self) -> bool:
@@ -248,6 +353,35 @@ class Batch:
             self.slots = [s for p in parts for s in p.slots]
         for j in joiners:
             j.slots, j.caches, j.next_tokens, j.next_logprobs = [], None, None, []
+        self._drafters()
+
+    def _drafters(self) -> None:
+        """Give each newly joined slot its drafter (its prompt and first token
+        indexed), where this batch drafts and the row allows it."""
+        if self.spec is None:
+            return
+        for slot in self.slots:
+            if slot.drafter is not None or slot.prompt is None or slot.dead:
+                continue
+            asked = slot.params.max_draft
+            limit = self.spec.max_draft if asked is None else min(asked, self.spec.max_draft)
+            if limit > 0 and not slot.processors and slot.first is not None:
+                slot.drafter = Drafter.start(
+                    slot.prompt, self.spec.shared, self.spec.matches, limit
+                )
+                slot.drafter.known(slot.first)  # read at prime: known
+                slot.pending_known = True
+            slot.prompt = None
+
+    def remember(self, rows: Sequence[int]) -> None:
+        """Rows at ``rows`` are ending: their prompts and outputs go to the shared
+        index, for the rows that come after them to draft from."""
+        if self.spec is None or self.spec.shared is None:
+            return
+        for i in rows:
+            drafter = self.slots[i].drafter
+            if drafter is not None:
+                self.spec.shared.add(drafter.own.tokens)
 
     def _fill(self, joiner: Batch) -> bool:
         """Write the joiner's rows over retired slots where their KV fits before
@@ -266,11 +400,13 @@ class Batch:
                 self.copied += k.nbytes + v.nbytes
             self.slots[d] = slot
             self.refilled += 1
+            self._plain_at = None  # the next step's time includes this write
             self.next_tokens[d] = pending[i]
             self.next_logprobs[d] = joiner.next_logprobs[i]
             placed.append(i)
         if not placed:
             return True
+        self._drafters()
         rest = [i for i in range(len(joiner.slots)) if i not in placed]
         joiner.filter(rest)
         return bool(rest)
@@ -298,6 +434,7 @@ class Batch:
         saved = self.retire(rows, rows)
         out = []
         for caches, (slot, pending, logprobs) in zip(saved, kept, strict=True):
+            slot.order = None  # taken out in token order
             alone = Batch(self.model, [slot], caches, batched=False)
             alone.next_tokens, alone.next_logprobs = pending, [logprobs]
             out.append(alone)
@@ -317,7 +454,7 @@ class Batch:
     def _save(self, save: Sequence[int]) -> list[list[Any]]:
         if save and not self.batched:
             return [self.caches]  # the lone row's own caches: no copy
-        saved = [_extracted(self.caches, i) for i in save]
+        saved = [_extracted(self.caches, i, self.slots[i].order) for i in save]
         self.copied += sum(_nbytes(s) for s in saved)
         return saved
 
@@ -402,29 +539,235 @@ class Batch:
             if slot.fault is None:
                 sampled = self._read(slot, token, lp)
             slot.pending_read = True
+            slot.counted(token)
+            slot.first = token
             out.append(sampled)
         return out
 
-    def step(self) -> list[Sampled | None]:
-        """Start step n+1, then read step n: the tokens the last step sampled, one
-        per slot in batch order (None for a token already read at prime). A row
-        whose own work failed reads as a :class:`Sampled` with ``error``."""
+    def step(self) -> list[Read | None]:
+        """One decode step: what it read from each slot, in batch order (None: a
+        retired slot). A row whose own work failed reads as a :class:`Sampled`
+        with ``error``. Plain, pipelined (start step n+1, then read step n), unless
+        the gate finds drafts worth a verify step (:meth:`_verify`)."""
+        plan = self._offers() if self.drafts_fit else None
+        if plan is not None and not self.spec.gate.stale(len(self.slots), 1):
+            width = self.spec.gate.choose(len(self.slots), plan.offers)
+            if width:
+                return self._verify(width)
+            for slot, proposal in zip(self.slots, plan.proposals, strict=True):
+                if proposal:
+                    slot.drafter.shadow_of(proposal)
+        return self._plain()
+
+    def _plain(self) -> list[Read | None]:
+        """A plain step. Where it drafts, the batch also times it for the gate:
+        from the last plain step's start when that one was plain too (the
+        pipeline's period), else, when the figure is stale, by waiting for its
+        forward once."""
         current_lp = self.next_logprobs
+        gate, rows = self.spec.gate if self.drafts_fit else None, len(self.slots)
+        timed = gate is not None and gate.stale(rows, 1)
+        if timed:  # joins and leaves settled first: their copies are not the step's
+            mx.eval(self.next_tokens, current_lp, [c.state for c in self.caches])
+        now = time.perf_counter()
+        if gate is not None and self._plain_at is not None and self._plain_at[0] == rows:
+            gate.observe(rows, 1, now - self._plain_at[1])
+        self._plain_at = (rows, now) if gate is not None else None
         inputs, _ = self._forward()
+        if timed:
+            mx.eval(self.next_tokens)
+            gate.observe(rows, 1, time.perf_counter() - now)
+            self._plain_at = None
         mx.eval(inputs, current_lp)
         tokens = inputs.tolist()
-        out: list[Sampled | None] = []
+        out: list[Read | None] = []
         for slot, token, lp in zip(self.slots, tokens, current_lp, strict=True):
             if slot.dead:
                 out.append(None)
-            elif slot.fault is not None:
-                out.append(Sampled(token, None, None, error=slot.fault))
+                continue
+            known, slot.pending_known = slot.pending_known, False
+            if slot.drafter is not None and not known:
+                slot.drafter.known(token)
+            if slot.fault is not None:
+                out.append(Read((Sampled(token, None, None, error=slot.fault),)))
             elif slot.pending_read:
                 slot.pending_read = False
-                out.append(None)
+                out.append(Read(()))
             else:
-                out.append(self._read(slot, token, lp))
+                slot.counted(token)
+                out.append(Read((self._read(slot, token, lp),)))
         return out
+
+    def _offers(self) -> _Plan | None:
+        """What each slot could draft now (from what its host side knows: its
+        pending token only when a verify step evaluated it), for the gate."""
+        offers, proposals = [], []
+        for slot in self.slots:
+            drafter = slot.drafter
+            proposal: list[int] = []
+            if drafter is not None and not slot.dead and slot.fault is None and slot.left > 1:
+                guessing = not slot.pending_known
+                proposal = drafter.propose(slot.left + guessing)
+                if len(proposal) > guessing:
+                    offers.append((drafter, len(proposal) - guessing, guessing))
+            proposals.append(proposal)
+        return _Plan(offers, proposals) if offers else None
+
+    def _verify(self, width: int) -> list[Read | None]:
+        """A verify step: each slot's pending token and up to ``width`` drafts in
+        one forward; a slot keeps its drafts up to the first the target did not
+        sample (or its end), reads its pending token and those, and its KV is
+        rolled back by the rest. The pending tokens are evaluated first (the
+        drafts follow them exactly); the step then waits for its own samples."""
+        self._plain_at = None
+        mx.eval(self.next_tokens, self.next_logprobs)
+        t0 = time.perf_counter()
+        pending = self.next_tokens.tolist()
+        offers: list[_Offer | None] = []
+        for slot, token in zip(self.slots, pending, strict=True):
+            offer = None
+            if slot.drafter is not None and not slot.dead and slot.fault is None:
+                if not slot.pending_known:
+                    slot.drafter.known(token)
+                    slot.pending_known = True
+                ends = token in slot.stop_ids or (slot.left <= 1 and not slot.pending_read)
+                if not ends:
+                    budget = slot.left - (0 if slot.pending_read else 1)
+                    tokens = slot.drafter.propose(min(width, budget))
+                    if tokens:
+                        offer = _Offer(tokens, slot.drafter.match[0])
+            offers.append(offer)
+        width = max((len(o.tokens) for o in offers if o is not None), default=0)
+        if width == 0:
+            return self._plain()
+        start, pads = 0, []
+        if self.batched:
+            start, pads = self.caches[0]._idx, self.caches[0].left_padding.tolist()
+        rows = [[t, *(o.tokens if o else [])] for t, o in zip(pending, offers, strict=True)]
+        inputs = mx.array([r + [0] * (width + 1 - len(r)) for r in rows], dtype=mx.uint32)
+        logits = self.model(inputs, cache=self.caches)
+        logprobs, samples = self._sample_all(inputs, logits)
+        current_lp = self.next_logprobs
+        mx.eval(samples, logprobs, current_lp)
+        drawn = samples.tolist()
+        out: list[Read | None] = []
+        kept: list[int | None] = []
+        for e, slot in enumerate(self.slots):
+            if slot.dead:
+                out.append(None)
+                kept.append(None)
+                continue
+            token = pending[e]
+            if slot.fault is not None:
+                out.append(Read((Sampled(token, None, None, error=slot.fault),)))
+                kept.append(0)
+                continue
+            tokens, ended = [], False
+            if slot.pending_read:
+                slot.pending_read = False
+            else:
+                ended = slot.counted(token)
+                tokens.append(self._read(slot, token, current_lp[e]))
+            offer, a = offers[e], 0
+            if offer is not None:
+                while not ended and a < len(offer.tokens) and drawn[e][a] == offer.tokens[a]:
+                    draft = offer.tokens[a]
+                    tokens.append(self._read(slot, draft, logprobs[e, a]))
+                    slot.drafter.known(draft)
+                    ended = slot.counted(draft)
+                    a += 1
+                slot.drafter.drafted(len(offer.tokens), a)
+            if slot.drafter is not None:
+                slot.drafter.known(drawn[e][a])
+            slot.pending_known = slot.drafter is not None
+            kept.append(a)
+            out.append(
+                Read(tuple(tokens), offer.drafter, len(offer.tokens), a)
+                if offer is not None
+                else Read(tuple(tokens))
+            )
+        self.next_tokens = mx.array([drawn[e][k or 0] for e, k in enumerate(kept)], mx.uint32)
+        self.next_logprobs = [logprobs[e, k or 0] for e, k in enumerate(kept)]
+        self._roll_back(kept, width, start, pads)
+        self.spec.gate.observe(len(self.slots), width + 1, time.perf_counter() - t0)
+        return out
+
+    def _sample_all(self, inputs: mx.array, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """The target's token at every position of a verify step, per row: its
+        sampler over each position's logprobs (a row with processors drafts
+        nothing, so they run on its first position only, as in a plain step)."""
+        if any(s.processors for s in self.slots):
+            first = []
+            for e, slot in enumerate(self.slots):
+                row = logits[e, :1]
+                if slot.processors and slot.fault is None:
+                    try:
+                        ctx = slot.context.update_and_fetch(inputs[e, :1])
+                        for processor in slot.processors:
+                            row = processor(ctx, row)
+                    except Exception as exc:
+                        slot.fault, row = row_fault(exc), logits[e, :1]
+                first.append(row)
+            logits = mx.concatenate(
+                [mx.concatenate(first, axis=0)[:, None], logits[:, 1:]], axis=1
+            )
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        samplers = [s.sampler for s in self.slots]
+        if all(s is greedy_sampler for s in samplers):
+            return logprobs, mx.argmax(logprobs, axis=-1)
+        rows = []
+        for e, slot in enumerate(self.slots):
+            row = mx.argmax(logprobs[e], axis=-1)  # a faulted row's stand-in, never read
+            if slot.fault is None:
+                try:
+                    row = slot.sampler(logprobs[e])
+                except Exception as exc:
+                    slot.fault = row_fault(exc)
+            rows.append(row)
+        return logprobs, mx.stack(rows)
+
+    def _roll_back(self, kept: list[int | None], width: int, start: int, pads: list[int]) -> None:
+        """Take the drafts each row did not keep (``width`` minus ``kept``) out of
+        its KV. A lone row's caches are trimmed. A batch is trimmed by the fewest
+        any row rejected; a row that rejected more has that many stale slots
+        left before the write position: its first tokens are copied into them
+        and its left padding moved past where they were. Attention does not care
+        where in the buffer a key sits (its position is rotated into it), so a
+        few slots are copied instead of the row; the row's token order is kept
+        on its slot (``Slot.order``) for when its KV is taken out. ``start`` is
+        where the step began writing, ``pads`` the rows' left padding then."""
+        rejected = [None if k is None else width - k for k in kept]
+        least = min((r for r in rejected if r is not None), default=0)
+        for c in self.caches:
+            c.trim(least)
+        if not self.batched:
+            return
+        rows, src, dst, shifts = [], [], [], []
+        for i, (slot, k) in enumerate(zip(self.slots, kept, strict=True)):
+            stale = 0 if k is None else width - k - least
+            shifts.append(stale)
+            if not stale:
+                continue
+            before = start - pads[i]  # tokens it held before the step
+            valid = before + 1 + k
+            moving, to = min(stale, valid), max(valid, stale)
+            rows += [i] * moving
+            src += [pads[i] + p for p in range(moving)]
+            dst += [pads[i] + to + p for p in range(moving)]
+            order = slot.order or []
+            slot.order = [
+                (to + p if p < moving else p) - stale
+                for p in itertools.chain(order, range(len(order), valid))
+            ]
+        if not rows:
+            return
+        b, s, d, by = mx.array(rows), mx.array(src), mx.array(dst), mx.array(shifts)
+        for c in self.caches:
+            c.keys[b, :, d] = c.keys[b, :, s]
+            c.values[b, :, d] = c.values[b, :, s]
+            c.offset = c.offset - by
+            c.left_padding = c.left_padding + by
+        self.copied += sum(c.keys[:1, :, :1].nbytes * 2 for c in self.caches) * len(rows)
 
     @staticmethod
     def _read(slot: Slot, token: int, logprobs: mx.array) -> Sampled:
@@ -460,6 +803,7 @@ class Prefill:
     snapshot_at: set[int] = attrs.field(factory=set)
     snapshots: list[tuple[int, list[Any]]] = attrs.field(factory=list)
     row_id: int | None = None  # carried into the row's batch slot
+    stop_ids: frozenset[int] = frozenset()  # the row's, carried into its slot
 
     def start_from(self, caches: list[Any] | None, cached: int) -> None:
         """Begin from a prompt-cache take (no caches: from scratch)."""
@@ -507,7 +851,10 @@ class Prefill:
     def slot(self) -> Slot:
         sampler, processors = build_sampling(self.params)
         context = TokenBuffer(self.prompt[:-1]) if processors else None
-        return Slot(self.params, sampler, processors, context, row_id=self.row_id)
+        return Slot(
+            self.params, sampler, processors, context, row_id=self.row_id,
+            stop_ids=self.stop_ids, left=self.params.max_tokens, prompt=self.prompt,
+        )  # fmt: skip
 
     def prime(self) -> Batch:
         self._start()

@@ -204,6 +204,16 @@ class EngineSettings:
         "row's own keys instead of over the batch padded to its longest row "
         "(actors/ragged.py); off: mlx-lm's padded attention. A choice for the process",
     )  # fmt: skip
+    speculative: bool = setting(
+        True, validator=_boolean, parse=_on_off, shown="on",
+        help="speculative decoding in the continuous batch: rows draft tokens by n-gram "
+        "lookup in their own prompt and output and in recent rows' (actors/speculate.py), "
+        "verified in one forward, only where the measured step cost pays for them; a "
+        "request can say speculative: false",
+    )  # fmt: skip
+    draft_tokens: int = setting(
+        8, validator=_at_least(1), help="most draft tokens a row carries into one decode step"
+    )
     # A GPU call running longer than this marks the engine unhealthy (/health 503).
     step_timeout: float = setting(
         120.0, validator=[_seconds(), _request_defaults],

@@ -105,6 +105,28 @@ class Metric(enum.Enum):
         "Decoding rows paused (KV kept) to give their slot to a session below its share.",
     )  # fmt: skip
     RESUMED = (Kind.COUNTER, "rows_resumed", "Paused rows that rejoined the batch.")
+    # speculative decoding (actors/speculate.py), by drafter
+    DRAFTED_PROMPT = (
+        Kind.COUNTER, "draft_tokens_prompt", "Draft tokens proposed by prompt lookup."
+    )
+    ACCEPTED_PROMPT = (
+        Kind.COUNTER, "draft_accepted_prompt", "Prompt-lookup draft tokens kept."
+    )
+    DRAFTED_SUFFIX = (
+        Kind.COUNTER, "draft_tokens_suffix", "Draft tokens proposed by the shared suffix index."
+    )
+    ACCEPTED_SUFFIX = (
+        Kind.COUNTER, "draft_accepted_suffix", "Shared-suffix-index draft tokens kept."
+    )
+    VERIFY_STEPS = (
+        Kind.COUNTER, "verify_steps", "Decode steps that verified draft tokens."
+    )
+    DECODE_TOKENS = (
+        Kind.COUNTER, "decode_tokens", "Tokens read by continuous-lane decode steps."
+    )
+    ROW_FORWARDS = (
+        Kind.COUNTER, "row_forwards", "Rows read per decode step, summed over steps."
+    )
     # gauges (each has one writer: admission the rows, decode batch_*, prefill
     # prefill_*, serial serial_*)
     ACTIVE_ROWS = (Kind.GAUGE, "active_rows", "Requests admitted and not finished.")
@@ -286,9 +308,22 @@ class StatsSnapshot:
     refilled: int  # joiners written in place over a finished row's retired slot
     paused: int  # decoding rows paused (KV kept) for a session below its share
     resumed: int  # paused rows that rejoined the batch
+    # speculative decoding: draft tokens proposed and kept, by drafter
+    drafted_prompt: int
+    accepted_prompt: int
+    drafted_suffix: int
+    accepted_suffix: int
+    verify_steps: int  # decode steps that verified drafts
+    decode_tokens: int  # tokens the decode steps read
+    row_forwards: int  # rows read per decode step, summed: tokens per forward's divisor
     time_to_first_token: HistogramSnapshot
     queue_wait: HistogramSnapshot
     step_time: HistogramSnapshot
+
+    @property
+    def tokens_per_forward(self) -> float | None:
+        """Tokens a row got per decode step it was in (1.0 without drafting)."""
+        return self.decode_tokens / self.row_forwards if self.row_forwards else None
 
     @property
     def ledger_balanced(self) -> bool:

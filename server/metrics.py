@@ -118,6 +118,7 @@ def stats_json(s: StatsSnapshot) -> dict:
         k: (_hist_json(v) if isinstance(v, HistogramSnapshot) else v)
         for k, v in attrs.asdict(s, recurse=False).items()
     }
+    body["tokens_per_forward"] = s.tokens_per_forward
     body["batch"] = {
         k: getattr(s, k)
         for k in (

@@ -43,7 +43,7 @@ from .base import (
 HONOURED = frozenset((
     "model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
     "stop_sequences", "stream", "tools", "tool_choice", "metadata", "thinking",
-    "output_config",
+    "output_config", "speculative",
 ))  # fmt: skip
 # Documented (the betas included) with no meaning here: accepted, ignored. MCP
 # servers are remote tools this server cannot run: listed as left out.
@@ -208,7 +208,7 @@ def parse_messages(body: Any, headers: Mapping[str, str] | None = None) -> Parse
         chat.insert(0, {"role": "system", "content": _text(body["system"], "system")})
     params: dict[str, Any] = {"max_tokens": body["max_tokens"]}
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                         ("stop", "stop_sequences")):  # fmt: skip
+                         ("stop", "stop_sequences"), ("speculative", "speculative")):  # fmt: skip
         if body.get(theirs) is not None:
             params[ours] = body[theirs]
     ignored = _tools(body, params)

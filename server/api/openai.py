@@ -33,6 +33,7 @@ from .base import (
 _SAMPLING = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias", "response_format",
+    "speculative",
 )  # fmt: skip
 
 
@@ -135,6 +136,17 @@ def usage_body(usage: Usage) -> dict:
         "decode_tokens_per_second": usage.decode_tokens_per_second,
         **({"prompt_cache": cache_body(usage.cache)} if usage.cache is not None else {}),
         **({"session": usage.session} if usage.session is not None else {}),
+        **({"speculative": drafts_body(usage.drafts)} if usage.drafts is not None else {}),
+    }
+
+
+def drafts_body(drafts) -> dict:
+    return {
+        "draft_tokens": drafts.drafted,
+        "accepted_tokens": drafts.accepted,
+        "rejected_tokens": drafts.drafted - drafts.accepted,
+        "decode_steps": drafts.forwards,
+        "tokens_per_step": drafts.tokens_per_forward,
     }
 
 

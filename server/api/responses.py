@@ -44,7 +44,7 @@ from .openai import session_hints, thinking_of
 HONOURED = frozenset((
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
     "max_output_tokens", "temperature", "top_p", "text", "reasoning", "stream",
-    "prompt_cache_key", "user", "safety_identifier",
+    "prompt_cache_key", "user", "safety_identifier", "speculative",
 ))  # fmt: skip
 # Documented with no meaning here: accepted and ignored (docs/http.md). ``include``
 # asks for extras (encrypted reasoning, logprobs...): none apply, none are sent.
@@ -197,7 +197,7 @@ def parse_responses(body: Any, headers: Mapping[str, str] | None = None) -> Pars
             0, {"role": "system", "content": _content(body["instructions"], "instructions")}
         )
     for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"),
-                         ("top_p", "top_p")):  # fmt: skip
+                         ("top_p", "top_p"), ("speculative", "speculative")):  # fmt: skip
         if body.get(theirs) is not None:
             params[ours] = body[theirs]
     _format(body, params)

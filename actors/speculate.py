@@ -1,0 +1,333 @@
+"""Speculative decoding in the continuous batch: the drafters and the gate.
+
+A row may carry draft tokens into a decode step: guesses of what it will say
+next. The step feeds each row its pending token and its drafts in one forward,
+samples the target's token at every position, and keeps a row's drafts up to
+the first one that differs from what the target sampled there (mlx-lm's rule,
+so the output is exactly the target's). Each row's KV is then rolled back by
+what it did not keep (``rows.Batch``). A draft costs a column of the step for
+every row, so the :class:`Gate` drafts only where the expected tokens per
+step pay for the wider step at this batch size (docs/speculative.md).
+
+The drafters need no model:
+
+* **prompt**: n-gram lookup in the row's own prompt and output. A coding agent
+  that rewrites a file it was shown copies most of its answer from its prompt.
+* **suffix**: the same lookup over a shared index of recent rows' prompts and
+  outputs (:class:`SharedIndex`), so a sub-agent can draft from what its
+  siblings just wrote.
+
+Everything here runs on the GPU actor's thread (the batch calls it inside its
+step), except the figures, which the decode actor reads from each step's result.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import attrs
+
+DRAFTERS = ("prompt", "suffix")
+MAX_DRAFT = 8  # most draft tokens one row carries into a step
+# n-gram lengths matched against the row's own tokens, longest first; the shared
+# index asks for longer matches (another text continues the same way less often).
+OWN_NGRAMS = (8, 6, 4, 3, 2)
+SHARED_NGRAMS = (8, 6, 4)
+SHARED_TOKENS = 65536  # tokens the shared index keeps (the most recent rows')
+# Acceptance estimates (decayed counts of drafts kept and of rejections) are
+# kept per row and per kind of match (drafter and n-gram length: a draft found
+# by a long match is kept far more often). A row's own counts forget old steps
+# at DECAY per observation; its estimate leans on its kind's by MATCH_WEIGHT.
+DECAY = 0.85
+MATCH_DECAY = 0.98
+MATCH_WEIGHT = 3.0
+PRIOR_SHARE = 0.5  # a kind of match's estimate before any observation
+# A wider step is taken only when it is expected to deliver this much more
+# tokens per second than a plain one (it must beat noise in the measured costs).
+MARGIN = 1.05
+# Until a width has been measured at a batch size, each extra column is assumed
+# to cost this share of a plain step (the cost model's prior; see ``Gate.cost``).
+PRIOR_COLUMN_COST = 0.15
+COST_DECAY = 0.8  # weight of the older figure in a step cost's moving average
+# Of a few hundred steps, one in this many tries a width the gate has not
+# measured lately, so a stale or unlucky figure cannot shut a width out forever.
+EXPLORE_EVERY = 64
+# A plain step's cost is measured by waiting for its forward (a pipeline bubble)
+# when it was last measured more than this many steps ago.
+REMEASURE = 32
+
+
+class NgramIndex:
+    """Where each n-gram of a token list last occurred, for n in ``sizes``.
+
+    An n-gram is indexed one token late: the n-gram ending at the last token is
+    not yet in, so a lookup of the list's own suffix finds its latest earlier
+    occurrence, never itself."""
+
+    def __init__(self, sizes: Sequence[int], tokens: Sequence[int] = ()) -> None:
+        self.sizes = tuple(sizes)
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}  # n-gram -> the position after it
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        end = len(self.tokens)  # the n-grams ending here get their continuation now
+        self.tokens.append(token)
+        for n in self.sizes:
+            if end >= n:
+                self._after[tuple(self.tokens[end - n : end])] = end
+
+    def lookup(self, suffix: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to ``k`` tokens that followed the longest indexed n-gram ending
+        ``suffix``, and that n (empty and 0 when none matches)."""
+        for n in self.sizes:
+            if len(suffix) < n:
+                continue
+            start = self._after.get(tuple(suffix[-n:]))
+            if start is not None:
+                found = self.continuation(start, k)
+                if found:
+                    return found, n
+        return [], 0
+
+    def continuation(self, start: int, k: int) -> list[int]:
+        return self.tokens[start : start + k]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+SEPARATOR = -1  # between two texts in the shared index: no n-gram spans it
+
+
+class SharedIndex(NgramIndex):
+    """Recent rows' prompts and outputs, one index for every row. When it holds
+    more than ``limit`` tokens it is rebuilt from the newer half of its texts."""
+
+    def __init__(self, limit: int = SHARED_TOKENS) -> None:
+        super().__init__(SHARED_NGRAMS)
+        self.limit = limit
+        self._texts: deque[list[int]] = deque()
+
+    def add(self, tokens: Sequence[int]) -> None:
+        text = list(tokens)[-self.limit // 2 :]
+        if len(text) < min(self.sizes) + 1:
+            return
+        if len(self) + len(text) + 1 > self.limit:
+            kept, total = [], len(text)
+            for old in reversed(self._texts):
+                if total + len(old) > self.limit // 2:
+                    break
+                kept.append(old)
+                total += len(old)
+            self._texts = deque(reversed(kept))
+            self.tokens, self._after = [], {}
+            for old in self._texts:
+                self.extend([*old, SEPARATOR])
+        self._texts.append(text)
+        self.extend([*text, SEPARATOR])
+
+    def continuation(self, start: int, k: int) -> list[int]:
+        out = self.tokens[start : start + k]
+        return out[: out.index(SEPARATOR)] if SEPARATOR in out else out
+
+
+@attrs.define(eq=False)
+class Odds:
+    """How drafts fare: decayed counts for a run's first draft (kept or not)
+    and for the drafts after a kept one. Drafts found by a long match either
+    miss at once or run on (a copied stretch), so one rate would not do."""
+
+    first: list[float] = attrs.field(factory=lambda: [0.0, 0.0])  # kept, rejected
+    then: list[float] = attrs.field(factory=lambda: [0.0, 0.0])
+    decay: float = DECAY
+
+    def observe(self, kept: int, drafted: int) -> None:
+        """A run of ``drafted`` drafts of which the first ``kept`` were kept."""
+        for counts in (self.first, self.then):
+            counts[0] *= self.decay
+            counts[1] *= self.decay
+        self.first[0 if kept else 1] += 1
+        if kept:
+            self.then[0] += kept - 1
+            self.then[1] += kept < drafted
+
+    def rates(self, prior: tuple[float, float], weight: float) -> tuple[float, float]:
+        return tuple(
+            (kept + p * weight) / (kept + rejected + weight)
+            for (kept, rejected), p in zip((self.first, self.then), prior, strict=True)
+        )
+
+
+Match = tuple[str, int]  # a proposal's drafter and the n-gram length it matched
+
+
+@attrs.define(eq=False)
+class Matches:
+    """Every row's acceptance by kind of match, shared by the running batch."""
+
+    odds: dict[Match, Odds] = attrs.field(factory=dict)
+
+    def of(self, match: Match) -> Odds:
+        if match not in self.odds:
+            self.odds[match] = Odds(decay=MATCH_DECAY)
+        return self.odds[match]
+
+    def rates(self, match: Match) -> tuple[float, float]:
+        return self.of(match).rates((PRIOR_SHARE, PRIOR_SHARE), 2.0)
+
+
+@attrs.define(eq=False)
+class Drafter:
+    """One row's drafting state: its own tokens indexed (prompt and every
+    generated token known so far), its acceptance, and a proposal it made but
+    did not draft, checked against the tokens that come (a free observation of
+    how well it would have done)."""
+
+    own: NgramIndex
+    shared: SharedIndex | None
+    matches: Matches
+    limit: int = MAX_DRAFT  # the request's own cap (0: never drafts)
+    odds: Odds = attrs.field(factory=Odds)
+    match: Match | None = None  # what the latest proposal matched
+    shadow: list[int] = attrs.field(factory=list)  # proposed, not drafted: to check
+    shadow_match: Match | None = None
+    shadow_kept: int = 0  # of the shadow's tokens, those that came so far
+
+    @classmethod
+    def start(
+        cls, prompt: Sequence[int], shared: SharedIndex | None, matches: Matches, limit: int
+    ) -> Drafter:
+        return cls(NgramIndex(OWN_NGRAMS, prompt), shared, matches, limit)
+
+    def rates(self) -> tuple[float, float]:
+        """The estimated chances that a run's first draft of the latest
+        proposal's kind is kept, and that a draft after a kept one is: the row's
+        own record, leaning on its kind's."""
+        prior = self.matches.rates(self.match) if self.match else (PRIOR_SHARE, PRIOR_SHARE)
+        return self.odds.rates(prior, MATCH_WEIGHT)
+
+    def known(self, token: int) -> None:
+        """A generated token is known on the host: index it, and check the shadow."""
+        if self.shadow:
+            self.shadow_kept += self.shadow[self.shadow_kept] == token
+            if self.shadow[self.shadow_kept - 1] != token or self.shadow_kept == len(self.shadow):
+                self._observe(self.shadow_match, self.shadow_kept, len(self.shadow))
+                self.shadow = []
+        self.own.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens to follow what is known (:attr:`match` says how
+        they were found)."""
+        k = min(k, self.limit)
+        self.match = None
+        if k <= 0:
+            return []
+        tokens = self.own.tokens
+        found, n = self.own.lookup(tokens, k)
+        source = "prompt"
+        if self.shared is not None and n < max(self.shared.sizes):
+            more, m = self.shared.lookup(tokens[-max(self.shared.sizes) :], k)
+            if m > n:
+                found, n, source = more, m, "suffix"
+        if found:
+            self.match = (source, n)
+        return found
+
+    def shadow_of(self, proposal: list[int]) -> None:
+        """Keep an undrafted proposal to check against the coming tokens."""
+        if not self.shadow and self.match is not None:
+            self.shadow, self.shadow_match, self.shadow_kept = list(proposal), self.match, 0
+
+    def drafted(self, n: int, kept: int) -> None:
+        """One verify step's outcome for the latest proposal: ``n`` drafted, ``kept`` kept."""
+        self.shadow = []
+        self._observe(self.match, kept, n)
+
+    def _observe(self, match: Match | None, kept: int, drafted: int) -> None:
+        self.odds.observe(kept, drafted)
+        if match is not None:
+            self.matches.of(match).observe(kept, drafted)
+
+    def expected(self, k: int, guessing: bool) -> float:
+        """Tokens kept beyond the plain step's one, in expectation, from ``k``
+        drafts: the first kept with the first rate, each after a kept one with
+        the second. A guessed pending token is one more draft to pass first."""
+        first, then = self.rates()
+        run = first * sum(then**j for j in range(k))
+        return run * first if guessing else run
+
+
+@attrs.define(eq=False)
+class Gate:
+    """The measured cost of a decode step by batch size and width (tokens fed
+    per row), and the choice of each step's width.
+
+    A step of width ``w`` costs ``cost(b, w)`` seconds and delivers, per row, one
+    token plus the drafts it keeps. The gate takes the width with the most
+    expected tokens per second, and a wider step only when that beats a plain
+    step by :data:`MARGIN`."""
+
+    times: dict[tuple[int, int], float] = attrs.field(factory=dict)
+    seen: dict[tuple[int, int], int] = attrs.field(factory=dict)  # step number last measured
+    counts: dict[tuple[int, int], int] = attrs.field(factory=dict)  # measurements so far
+    steps: int = 0
+
+    def observe(self, batch: int, width: int, seconds: float) -> None:
+        key = (batch, width)
+        old = self.times.get(key)
+        self.times[key] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
+        self.seen[key] = self.steps
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def stale(self, batch: int, width: int) -> bool:
+        """Whether a width's cost at this batch size is unmeasured or older than
+        :data:`REMEASURE` steps (the plain step's is measured on purpose then)."""
+        seen = self.seen.get((batch, width))
+        if seen is None or self.counts.get((batch, width), 0) < 3:
+            return True
+        return self.steps - seen > REMEASURE
+
+    def cost(self, batch: int, width: int) -> float:
+        """Seconds for one step: measured; else between the measured widths around
+        it, or the nearest one plus the prior's cost per column (in units of a
+        plain step when nothing is measured at this batch size)."""
+        known = {w: t for (b, w), t in self.times.items() if b == batch}
+        if width in known:
+            return known[width]
+        if not known:
+            return 1.0 + PRIOR_COLUMN_COST * (width - 1)
+        below = max((w for w in known if w < width), default=None)
+        above = min((w for w in known if w > width), default=None)
+        if below is not None and above is not None:  # between two measured widths
+            share = (width - below) / (above - below)
+            return known[below] + share * (known[above] - known[below])
+        plain = known.get(1) or min(t / (1 + PRIOR_COLUMN_COST * (w - 1)) for w, t in known.items())
+        nearest = below if below is not None else above
+        return max(plain, known[nearest] + PRIOR_COLUMN_COST * plain * (width - nearest))
+
+    def choose(self, batch: int, offers: Sequence[tuple[Drafter, int, bool]]) -> int:
+        """The width (extra columns) for a step whose rows offer these drafts:
+        (the row's drafter, how many tokens it proposes, whether its pending token
+        is guessed). 0: a plain step."""
+        self.steps += 1
+        longest = max((n for _, n, _ in offers), default=0)
+        if longest == 0:
+            return 0
+        plain = batch / self.cost(batch, 1)
+        best, best_rate = 0, plain * MARGIN
+        for w in range(1, longest + 1):
+            tokens = batch + sum(d.expected(min(n, w), g) for d, n, g in offers)
+            rate = tokens / self.cost(batch, w + 1)
+            if rate > best_rate:
+                best, best_rate = w, rate
+        if best == 0 and self.steps % EXPLORE_EVERY == 0:
+            # a width measured long ago (or never) gets a fresh look
+            stale = min(range(1, longest + 1), key=lambda w: self.seen.get((batch, w + 1), -1))
+            return stale
+        return best

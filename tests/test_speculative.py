@@ -1,0 +1,303 @@
+"""Speculative decoding (actors/speculate.py, rows.Batch._verify): drafts verified in
+the continuous batch give mlx-lm's own tokens.
+
+The golden models are tiny and random: left to the gate, they rarely draft (their
+answers copy little and a step costs next to nothing). Where a test is about the
+verify step itself (every row drafting, keeping some, rolling back the rest), the
+gate's decision is forced to "draft all you have" with ``forced_drafts``; the
+gate's own choice is tested on its own, below.
+"""
+
+from __future__ import annotations
+
+import httpx
+import mlx.core as mx
+import pytest
+import trio
+from conftest import checked_engine, golden, loaded, running_server
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_nursery.actors import speculate
+from mlx_nursery.actors.request import SamplingParams
+from mlx_nursery.actors.rows import Batch, Prefill, Speculation
+from mlx_nursery.actors.speculate import Drafter, Gate, Matches, NgramIndex, SharedIndex
+from test_parity import _play
+
+PLAIN_KV = ("llama", "qwen3")  # the golden families whose caches can be cut back
+
+
+@pytest.fixture
+def forced_drafts(monkeypatch):
+    """Every step with an offer drafts all it offers (the gate's choice, forced)."""
+
+    def choose(self, batch, offers):
+        self.steps += 1
+        return max((n for _, n, _ in offers), default=0)
+
+    monkeypatch.setattr(Gate, "choose", choose)
+    monkeypatch.setattr(Gate, "stale", lambda self, batch, width: False)
+
+
+# -- drafters and gate ---------------------------------------------------------------
+
+
+def test_ngram_index_finds_the_latest_earlier_occurrence():
+    index = NgramIndex((3, 2), [1, 2, 3, 4, 5, 1, 2, 3, 9, 1, 2])
+    # "1 2" ends the list: its latest earlier occurrence is followed by 3, 9
+    assert index.lookup(index.tokens, 2) == ([3, 9], 2)
+    index.append(3)  # "1 2 3" now: two earlier occurrences, the latest wins
+    assert index.lookup(index.tokens, 3) == ([9, 1, 2], 3)
+    assert index.lookup([7, 7, 7], 4) == ([], 0)
+
+
+def test_shared_index_keeps_texts_apart_and_bounded():
+    shared = SharedIndex(limit=64)
+    shared.add([10, 11, 12, 13, 14, 15, 16])
+    shared.add([20, 21, 22, 23, 24])
+    found, n = shared.lookup([11, 12, 13, 14], 8)
+    assert (found, n) == ([15, 16], 4)  # stops at the end of its text
+    for start in range(100, 400, 20):
+        shared.add(list(range(start, start + 20)))
+    assert len(shared) <= 64
+    assert shared.lookup([11, 12, 13, 14], 8) == ([], 0)  # the oldest text is gone
+    assert shared.lookup([381, 382, 383, 384], 3) == ([385, 386, 387], 4)
+
+
+def test_drafter_prefers_its_own_tokens_then_its_siblings():
+    shared = SharedIndex()
+    shared.add([5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+    drafter = Drafter.start([1, 2, 3, 4, 1, 2], shared, Matches(), limit=4)
+    assert drafter.propose(8) == [3, 4, 1, 2]  # its own prompt, capped at its limit
+    assert drafter.match == ("prompt", 2)
+    for token in (5, 6, 7, 8):
+        drafter.known(token)
+    assert drafter.propose(3) == [9, 10, 11]  # a sibling's text matched longer
+    assert drafter.match == ("suffix", 4)
+
+
+def test_drafter_learns_from_runs_and_from_proposals_it_did_not_draft():
+    matches = Matches()
+    good = Drafter.start([1, 2, 3, 4, 5, 6], None, matches, limit=8)
+    for _ in range(6):
+        good.drafted(8, 8)
+    bad = Drafter.start([1, 2, 3, 4, 5, 6], None, matches, limit=8)
+    for _ in range(6):
+        bad.drafted(8, 0)
+    assert good.rates()[0] > 0.75 and bad.rates()[0] < 0.3
+    # an undrafted proposal is checked against the tokens that come
+    shadow = Drafter.start([1, 2, 3, 9, 1, 2], None, Matches(), limit=8)
+    before = shadow.rates()[0]
+    for _ in range(4):
+        shadow.shadow_of(shadow.propose(2))
+        for token in shadow.shadow[:]:
+            shadow.known(token)
+    assert shadow.rates()[0] > before
+
+
+def test_gate_drafts_only_where_the_measured_cost_pays():
+    gate = Gate()
+    for _ in range(3):
+        gate.observe(4, 1, 0.100)
+        gate.observe(4, 5, 0.200)
+    sure = Drafter.start([1, 2, 3], None, Matches(), limit=8)
+    for _ in range(8):
+        sure.drafted(4, 4)
+    unsure = Drafter.start([1, 2, 3], None, Matches(), limit=8)
+    for _ in range(8):
+        unsure.drafted(4, 0)
+    # four rows that keep what they draft: twice the cost, nearly five times the tokens
+    assert gate.choose(4, [(sure, 4, False)] * 4) == 4
+    # rows that never keep a draft: the plain step
+    assert gate.choose(4, [(unsure, 4, False)] * 4) == 0
+    assert gate.cost(4, 3) == pytest.approx(0.150)  # between two measured widths
+    assert gate.cost(4, 7) == pytest.approx(0.200 + 2 * speculate.PRIOR_COLUMN_COST * 0.100)
+    assert gate.stale(8, 1) and not gate.stale(4, 1)
+
+
+# -- the verify step: mlx-lm's tokens --------------------------------------------------
+
+
+@pytest.mark.parametrize("family", PLAIN_KV)
+async def test_lone_row_drafting_matches_stream_generate(family, forced_drafts):
+    """Each prompt twice: the second time its rows draft from the first's text
+    (the shared index) on top of its own, after a prompt-cache hit."""
+    g = golden(family)
+    async with checked_engine(family, batch=8) as engine:
+        for case in g["serial"] * 2:
+            result = await engine.generate(case["prompt_ids"], max_tokens=case["max_tokens"])
+            assert result.tokens == case["tokens"], case["prompt"]
+            assert result.finish_reason == case["finish_reason"], case["prompt"]
+        stats = engine.stats()
+    assert stats.verify_steps > 0 and stats.accepted_suffix > 0
+    assert stats.tokens_per_forward > 1.0
+
+
+@pytest.mark.parametrize("family", PLAIN_KV)
+async def test_batch_drafting_matches_batch_generator(family, forced_drafts):
+    """Rows of every scripted scenario draft (differently each step), keep what
+    they keep and are rolled back row by row; each row's tokens are mlx-lm's."""
+    g = golden(family)
+    verified = 0
+    for name, rows in g["batch"].items():
+        async with checked_engine(family, batch=8) as engine:
+            results = await _play(engine, g["prompts"], rows)
+            for row, result in zip(rows, results, strict=True):
+                where = f"{name}/{row['prompt']}@{row['insert_at']}"
+                assert result.tokens == row["tokens"], where
+                assert result.finish_reason == row["finish_reason"], where
+            verified += engine.stats().verify_steps
+    assert verified > 0
+
+
+async def test_a_row_ends_inside_a_kept_run(forced_drafts):
+    """max_tokens, a stop id, or a stop string in the middle of the drafts a
+    step kept: the row ends exactly where it ends without drafting."""
+    case = golden("llama")["serial"][0]
+    prompt, tokens = case["prompt_ids"], case["tokens"]
+    async with checked_engine("llama", batch=8) as engine:
+        for max_tokens in (2, 5, 11):
+            result = await engine.generate(prompt, max_tokens=max_tokens)
+            assert result.tokens == tokens[:max_tokens]
+            assert result.finish_reason == "length"
+        stop = tokens[7]
+        result = await engine.generate(prompt, max_tokens=40, stop_token_ids=[stop])
+        assert result.tokens == tokens[: tokens.index(stop)]  # a stop id is not shown
+        assert result.finish_reason == "stop"
+        text = engine.tokenizer.decode(tokens[:12])
+        result = await engine.generate(prompt, max_tokens=40, stop=[text[-6:]])
+        assert result.finish_reason == "stop"
+        assert engine.stats().verify_steps > 0
+
+
+async def test_cancel_during_drafting_and_cache_hit_then_drafting(forced_drafts):
+    """A row cancelled mid-stream leaves its neighbours exact; a prompt served
+    from the prompt cache drafts like one computed."""
+    g = golden("llama")
+    cases = g["serial"]
+    async with checked_engine("llama", batch=8) as engine:
+        results = {}
+
+        async def run(i):
+            case = cases[i]
+            results[i] = await engine.generate(case["prompt_ids"], max_tokens=case["max_tokens"])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(1, 4):
+                nursery.start_soon(run, i)
+            async with engine.submit(cases[0]["prompt_ids"], max_tokens=40) as stream:
+                async for event in stream:
+                    if event.token is not None:
+                        stream.cancel()
+                        break
+        for i in range(1, 4):
+            assert results[i].tokens == cases[i]["tokens"]
+        again = await engine.generate(cases[1]["prompt_ids"], max_tokens=cases[1]["max_tokens"])
+        assert again.usage.cached_tokens > 0
+        assert again.tokens == cases[1]["tokens"]
+
+
+async def test_per_request_switch_and_usage(forced_drafts):
+    case = golden("llama")["serial"][0]
+    async with checked_engine("llama", batch=8) as engine:
+        await engine.generate(case["prompt_ids"], max_tokens=40)  # its text: drafts for the rest
+        on = await engine.generate(case["prompt_ids"], max_tokens=40)
+        off = await engine.generate(case["prompt_ids"], max_tokens=40, speculative=False)
+        two = await engine.generate(case["prompt_ids"], max_tokens=40, speculative=2)
+    assert on.tokens == off.tokens == two.tokens == case["tokens"]
+    assert on.usage.drafts is not None and on.usage.drafts.accepted > 0
+    assert on.usage.drafts.tokens_per_forward > 1.0
+    assert off.usage.drafts is None
+    assert two.usage.drafts is not None
+    with pytest.raises(Exception, match="speculative must be"):
+        SamplingParams(speculative=-1)
+    with pytest.raises(Exception, match="speculative must be"):
+        SamplingParams(speculative="yes")
+
+
+async def test_engine_without_speculation_never_drafts(forced_drafts):
+    case = golden("llama")["serial"][0]
+    async with checked_engine("llama", batch=8, speculative=False) as engine:
+        result = await engine.generate(case["prompt_ids"], max_tokens=40)
+        assert result.tokens == case["tokens"]
+        assert engine.stats().verify_steps == 0
+
+
+# -- the batch's KV after verify steps ----------------------------------------------------
+
+
+def _prefill_alone(model, tokens: list[int]) -> list:
+    caches = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def test_rows_rolled_back_apart_keep_their_kv_in_token_order(forced_drafts):
+    """Rows that keep different numbers of drafts are rolled back apart (a few
+    slots copied, the row's order kept on its slot); a row taken out of the
+    batch holds its tokens' KV in token order, as a fresh prefill of them would."""
+    model, _ = loaded("llama")
+    g = golden("llama")
+    cases = g["serial"][:3]
+    prompts = [c["prompt_ids"] for c in cases]
+    batch = Batch(model, spec=Speculation(8))
+    # What the rows will say, for them to draft from: rows 0 and 2 right, row 1
+    # with every fifth token wrong (it keeps part of each run).
+    for i, case in enumerate(cases):
+        said = list(case["tokens"])
+        if i == 1:
+            said[4::5] = [t + 1 for t in said[4::5]]
+        batch.spec.shared.add(case["prompt_ids"] + said)
+    for i, prompt in enumerate(prompts):
+        job = Prefill(model, prompt, SamplingParams(max_tokens=40), 32, row_id=i)
+        while job.remaining > 0:
+            job.chunk()
+        joiner = job.prime()
+        joiner.read_first()
+        batch.join([joiner])
+    tokens = [[s.first] for s in batch.slots]
+    reordered = False
+    for _ in range(12):
+        for i, read in enumerate(batch.step()):
+            tokens[i] += [s.token for s in read.tokens]
+        reordered |= any(s.order is not None for s in batch.slots)
+    assert reordered
+    # the KV holds each row's prompt and every token it read (read = fed)
+    (saved,) = batch.retire([1], [1])
+    expect = _prefill_alone(model, prompts[1] + tokens[1])
+    for got, want in zip(saved, expect, strict=True):
+        assert got.offset == want.offset == len(prompts[1]) + len(tokens[1])
+        assert mx.allclose(got.keys[..., : got.offset, :], want.keys[..., : want.offset, :],
+                           atol=1e-4)  # fmt: skip
+        assert mx.allclose(got.values[..., : got.offset, :], want.values[..., : want.offset, :],
+                           atol=1e-4)  # fmt: skip
+
+
+# -- over HTTP ------------------------------------------------------------------------------
+
+
+async def test_http_field_usage_stats_and_metrics(forced_drafts):
+    case = golden("llama")["serial"][0]
+    body = {"model": "llama", "prompt": case["prompt_ids"], "max_tokens": 40}
+    with trio.fail_after(120):
+        async with running_server() as (url, _), httpx.AsyncClient(base_url=url) as client:
+            await client.post("/v1/completions", json=body)  # its text: drafts for the next
+            drafted = (await client.post("/v1/completions", json=body)).json()
+            usage = drafted["usage"]["speculative"]
+            assert usage["accepted_tokens"] > 0
+            assert usage["draft_tokens"] == usage["accepted_tokens"] + usage["rejected_tokens"]
+            assert usage["tokens_per_step"] > 1.0
+            plain = await client.post("/v1/completions", json={**body, "speculative": False})
+            assert "speculative" not in plain.json()["usage"]
+            assert plain.json()["choices"][0]["text"] == drafted["choices"][0]["text"]
+            for path, extra in (
+                ("/v1/completions", {**body, "speculative": "yes"}),
+                ("/v1/messages", {"model": "llama", "max_tokens": 8, "speculative": -1,
+                                  "messages": [{"role": "user", "content": "hi"}]}),
+            ):  # fmt: skip
+                bad = await client.post(path, json=extra)
+                assert bad.status_code == 400, bad.text
+                assert "speculative" in bad.text
+            stats = (await client.get("/stats")).json()
+            assert stats["verify_steps"] > 0 and stats["tokens_per_forward"] > 1.0
+            metrics = (await client.get("/metrics")).text
+            assert "mlx_nursery_draft_accepted_suffix_total" in metrics
