@@ -36,6 +36,7 @@ from pathlib import Path
 import attrs
 import httpx
 import trio
+from edits import edit_messages, natural_messages  # bench/ (this script's folder)
 from mlx_nursery.actors.loading import cast
 from mlx_nursery.server.bench import WORDS, LoadSpec, one_request, prompts, run_load, storm
 from mlx_nursery.server.launch import MLX_LAUNCH
@@ -1089,6 +1090,132 @@ def overload(models: list[tuple[str, str]], repeats: int) -> None:
     _write_section("overload", "\n".join(lines), page="reliability.md")
 
 
+# -- speculative decoding (issue #24) --------------------------------------------------
+
+SPEC_TOKENS = 256  # tokens per answer, greedy
+# (load, clients, requests): one client works through its tasks one after another
+SPEC_LOADS = (("edit", 1, 4), ("edit", 8, 8), ("natural", 1, 2), ("natural", 8, 8))
+
+
+async def _chat_load(url: str, kind: str, clients: int, requests: int) -> dict:
+    """``requests`` chat completions (the edit tasks or natural questions, greedy,
+    ``SPEC_TOKENS`` each) from ``clients`` clients; end-to-end tok/s is the
+    completion tokens over the load's wall time."""
+    messages = edit_messages if kind == "edit" else natural_messages
+    todo = list(range(requests))
+    texts: dict[int, str] = {}
+    usage: dict[int, dict] = {}
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while todo:
+            i = todo.pop(0)
+            body = {"model": "default_model", "messages": messages(i), "temperature": 0.0,
+                    "max_tokens": SPEC_TOKENS}  # fmt: skip
+            r = await http.post("/v1/chat/completions", json=body)
+            r.raise_for_status()
+            data = r.json()
+            texts[i] = data["choices"][0]["message"]["content"]
+            usage[i] = data["usage"]
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=1800) as http, trio.open_nursery() as n:
+        for _ in range(clients):
+            n.start_soon(client, http)
+    wall = time.perf_counter() - start
+    tokens = sum(u["completion_tokens"] for u in usage.values())
+    drafts = [u["speculative"] for u in usage.values() if "speculative" in u]
+    return {
+        "tokens": tokens, "wall": wall, "tps": tokens / wall,
+        "texts": [texts[i] for i in range(requests)],
+        "tokens_per_step": (
+            sum(d["tokens_per_step"] * d["decode_steps"] for d in drafts)
+            / sum(d["decode_steps"] for d in drafts) if drafts else None
+        ),
+        "kept": sum(d["accepted_tokens"] for d in drafts),
+        "drafted": sum(d["draft_tokens"] for d in drafts),
+    }  # fmt: skip
+
+
+def _copied_share(model: str) -> float:
+    """Of the edit answers' 3-grams (mlx_lm.server's texts, tokenized), the share
+    found in their prompts: how much of an answer a prompt lookup could draft."""
+    from mlx_lm import load as mlx_load
+
+    _, tokenizer = mlx_load(model)
+    seen = total = 0
+    for i, text in enumerate(SPEC_TEXTS):
+        prompt = tokenizer.apply_chat_template(edit_messages(i), add_generation_prompt=True)
+        grams = {tuple(prompt[j : j + 3]) for j in range(len(prompt) - 2)}
+        out = tokenizer.encode(text, add_special_tokens=False)
+        total += max(0, len(out) - 2)
+        seen += sum(tuple(out[j : j + 3]) in grams for j in range(len(out) - 2))
+    return seen / total if total else 0.0
+
+
+SPEC_TEXTS: list[str] = []
+
+
+def speculative(models: list[tuple[str, str]]) -> None:
+    """The edit workload and natural chat at 1 and 8 clients: ours (speculation
+    on, the default), ours with ``--speculative off``, and ``mlx_lm.server``, one
+    server alive at a time; writes the bench:speculative section."""
+    rows = []
+    for label, model in models:
+        sides = {
+            "mlx_lm.server": Server(
+                "mlx_lm.server",
+                [sys.executable, "-m", "mlx_lm.server", "--model", model,
+                 "--decode-concurrency", "8", "--log-level", "WARNING"],
+                free_port(),
+            ),
+            "ours, speculation off": both_servers(model, "--speculative", "off")[0],
+            "ours": both_servers(model)[0],
+        }  # fmt: skip
+        got: dict[str, dict] = {}
+        for name, server in sides.items():
+            with server:
+                trio.run(_chat_load, server.url, "natural", 1, 1)  # warm-up
+                got[name] = {}
+                for kind, clients, requests in SPEC_LOADS:
+                    r = trio.run(_chat_load, server.url, kind, clients, requests)
+                    got[name][(kind, clients)] = r
+                    print(f"  speculative {label} {name} {kind} x{clients}: {r['tps']:.1f} tok/s"
+                          f" ({r['tokens']} tokens, {r['wall']:.1f} s), tokens/step "
+                          f"{r['tokens_per_step']}", flush=True)  # fmt: skip
+        base = got["mlx_lm.server"]
+        SPEC_TEXTS[:] = base[("edit", 1)]["texts"]
+        share = _copied_share(model)
+        for kind, clients, _ in SPEC_LOADS:
+            key = (kind, clients)
+            same = sum(a == b for a, b in zip(got["ours"][key]["texts"], base[key]["texts"],
+                                              strict=True))  # fmt: skip
+            ours, off = got["ours"][key], got["ours, speculation off"][key]
+            rows.append(
+                f"| {label} | {kind} | {clients} | {base[key]['tps']:.1f} | "
+                f"{off['tps']:.1f} ({off['tps'] / base[key]['tps']:.2f}x) | "
+                f"{ours['tps']:.1f} ({ours['tps'] / base[key]['tps']:.2f}x) | "
+                f"{ours['tokens_per_step'] or 1:.2f} | {ours['kept']} / {ours['drafted']} | "
+                f"{same} / {len(base[key]['texts'])} |"
+            )
+        rows.append(f"| {label} | edit answers' 3-grams found in their prompt | "
+                    f"{100 * share:.0f}% | | | | | | |")  # fmt: skip
+    body = "\n".join([
+        f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; float32; greedy, {SPEC_TOKENS} "
+        "tokens per answer over `/v1/chat/completions`; one server alive at a time, "
+        "`--batch 8` / `--decode-concurrency 8`. Edit: `bench/edits.py`, a 15-40 line file "
+        "and one small change, \"output only the code\" (1 client works through 4 tasks, 8 "
+        "clients through 8); natural: open questions (2 and 8). tok/s: completion tokens "
+        "over the load's wall time, ratio to mlx_lm.server. Same text: answers identical "
+        "to mlx_lm.server's.",
+        "",
+        "| model | load | clients | mlx_lm.server tok/s | ours, speculation off | ours "
+        "(speculation on) | tokens per step (row) | drafts kept / drafted | same text |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ])  # fmt: skip
+    _write_section("speculative", body)
+
+
 def float32_copy(gguf_file: Path) -> Path:
     """The converted GGUF model, dequantized to float32 and saved, so that both
     servers (mlx_lm.server has no dtype flag) and both in-process sides run the
@@ -1165,6 +1292,12 @@ def main() -> int:
         help="only the session flood (issue #25): a sub-agent fan-out against a main "
         "agent's turns, with and without sessions (--model)",
     )
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="only speculative decoding (issue #24): the edit workload and natural chat at "
+        "1 and 8 clients against mlx_lm.server (SmolLM2 float32, and --model)",
+    )
     parser.add_argument("--tp-rank", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tp_rank:  # one rank of mlx_lm_tp, under the launcher
@@ -1205,6 +1338,12 @@ def main() -> int:
         return 0
     if args.flood:
         flood(args.model, "bench-llama-30m (31M parameters)", args.repeats)
+        return 0
+    if args.speculative:
+        models = [("SmolLM2-135M-Instruct", str(float32_copy(fetch(DEFAULT))))]
+        if args.model:
+            models.append(("bench-llama-30m", args.model))
+        speculative(models)
         return 0
     if args.real:
         args.model = str(float32_copy(fetch(DEFAULT)))
