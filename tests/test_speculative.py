@@ -10,6 +10,8 @@ gate's own choice is tested on its own, below.
 
 from __future__ import annotations
 
+from functools import partial
+
 import httpx
 import mlx.core as mx
 import pytest
@@ -301,3 +303,36 @@ async def test_http_field_usage_stats_and_metrics(forced_drafts):
             assert stats["verify_steps"] > 0 and stats["tokens_per_forward"] > 1.0
             metrics = (await client.get("/metrics")).text
             assert "mlx_nursery_draft_accepted_suffix_total" in metrics
+
+
+async def test_a_verify_step_mixes_greedy_sampled_and_processor_rows(forced_drafts):
+    """One batch: greedy rows that draft, a sampled row (drafts checked against
+    its own draws) and a row with a repetition penalty (a processor: it does not
+    draft; its processor runs on its first position). The greedy and penalty rows
+    give what they give without speculation; every row completes."""
+    cases = golden("llama")["serial"][:3]
+    penalty = {"repetition_penalty": 1.3}
+
+    async def mix(engine) -> list:
+        out = [None] * 4
+
+        async def run(i, prompt, **params):
+            out[i] = await engine.generate(prompt, max_tokens=40, **params)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(run, 0, cases[0]["prompt_ids"]))
+            nursery.start_soon(partial(run, 1, cases[1]["prompt_ids"]))
+            nursery.start_soon(partial(run, 2, cases[2]["prompt_ids"], **penalty))
+            nursery.start_soon(partial(run, 3, cases[0]["prompt_ids"], temperature=0.9))
+        return out
+
+    async with checked_engine("llama", batch=8, speculative=False) as engine:
+        plain = await mix(engine)
+    async with checked_engine("llama", batch=8) as engine:
+        for case in cases[:2]:  # their texts: drafts for the mix
+            await engine.generate(case["prompt_ids"], max_tokens=40)
+        drafted = await mix(engine)
+        assert engine.stats().verify_steps > 0
+    for i in (0, 1, 2):
+        assert drafted[i].tokens == plain[i].tokens, i
+    assert drafted[3].finish_reason in ("length", "stop") and drafted[3].tokens
