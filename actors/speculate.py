@@ -215,8 +215,9 @@ class Drafter:
     def known(self, token: int) -> None:
         """A generated token is known on the host: index it, and check the shadow."""
         if self.shadow:
-            self.shadow_kept += self.shadow[self.shadow_kept] == token
-            if self.shadow[self.shadow_kept - 1] != token or self.shadow_kept == len(self.shadow):
+            kept = self.shadow[self.shadow_kept] == token
+            self.shadow_kept += kept
+            if not kept or self.shadow_kept == len(self.shadow):  # the run is over
                 self._observe(self.shadow_match, self.shadow_kept, len(self.shadow))
                 self.shadow = []
         self.own.append(token)
