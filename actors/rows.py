@@ -333,6 +333,7 @@ class Batch:
             if joiners:
                 self.compact()
         if not joiners:
+            self._drafters()  # for those written over retired slots
             return
         parts = ([self] if self.slots else []) + joiners
         if len(parts) == 1:
@@ -406,7 +407,6 @@ class Batch:
             placed.append(i)
         if not placed:
             return True
-        self._drafters()
         rest = [i for i in range(len(joiner.slots)) if i not in placed]
         joiner.filter(rest)
         return bool(rest)
@@ -493,24 +493,30 @@ class Batch:
             # forward now, so its mask work overlaps the forward instead of delaying it.
             mx.async_eval(logits)
         if any(s.processors for s in self.slots):
-            rows = []
-            for e, slot in enumerate(self.slots):
-                row_logits = logits[e : e + 1]
-                if slot.processors and slot.fault is None:
-                    try:
-                        ctx = slot.context.update_and_fetch(inputs[e : e + 1])
-                        for processor in slot.processors:
-                            row_logits = processor(ctx, row_logits)
-                        contexts.append(ctx)
-                    except Exception as exc:
-                        slot.fault, row_logits = row_fault(exc), logits[e : e + 1]
-                rows.append(row_logits)
-            logits = mx.concatenate(rows, axis=0)
+            logits, contexts = self._processed(logits, inputs)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self.next_tokens = self._sample(logprobs)
         self.next_logprobs = list(logprobs)
         mx.async_eval(self.next_tokens, self.next_logprobs, contexts)
         return inputs, contexts
+
+    def _processed(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[Any]]:
+        """Each row's logits (one position, ``(rows, vocab)``) through its
+        processors, which first see its input token; and their contexts. A row
+        whose processors raise keeps its raw logits and gets a ``fault``."""
+        rows, contexts = [], []
+        for e, slot in enumerate(self.slots):
+            row_logits = logits[e : e + 1]
+            if slot.processors and slot.fault is None:
+                try:
+                    ctx = slot.context.update_and_fetch(inputs[e : e + 1])
+                    for processor in slot.processors:
+                        row_logits = processor(ctx, row_logits)
+                    contexts.append(ctx)
+                except Exception as exc:
+                    slot.fault, row_logits = row_fault(exc), logits[e : e + 1]
+            rows.append(row_logits)
+        return mx.concatenate(rows, axis=0), contexts
 
     def _sample(self, logprobs: mx.array) -> mx.array:
         samplers = [s.sampler for s in self.slots]
@@ -694,37 +700,13 @@ class Batch:
 
     def _sample_all(self, inputs: mx.array, logits: mx.array) -> tuple[mx.array, mx.array]:
         """The target's token at every position of a verify step, per row: its
-        sampler over each position's logprobs (a row with processors drafts
-        nothing, so they run on its first position only, as in a plain step)."""
+        sampler over each position's logprobs, as in a plain step (a row with
+        processors drafts nothing, so they run on its first position only)."""
         if any(s.processors for s in self.slots):
-            first = []
-            for e, slot in enumerate(self.slots):
-                row = logits[e, :1]
-                if slot.processors and slot.fault is None:
-                    try:
-                        ctx = slot.context.update_and_fetch(inputs[e, :1])
-                        for processor in slot.processors:
-                            row = processor(ctx, row)
-                    except Exception as exc:
-                        slot.fault, row = row_fault(exc), logits[e, :1]
-                first.append(row)
-            logits = mx.concatenate(
-                [mx.concatenate(first, axis=0)[:, None], logits[:, 1:]], axis=1
-            )
+            first, _ = self._processed(logits[:, 0], inputs[:, 0])
+            logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        samplers = [s.sampler for s in self.slots]
-        if all(s is greedy_sampler for s in samplers):
-            return logprobs, mx.argmax(logprobs, axis=-1)
-        rows = []
-        for e, slot in enumerate(self.slots):
-            row = mx.argmax(logprobs[e], axis=-1)  # a faulted row's stand-in, never read
-            if slot.fault is None:
-                try:
-                    row = slot.sampler(logprobs[e])
-                except Exception as exc:
-                    slot.fault = row_fault(exc)
-            rows.append(row)
-        return logprobs, mx.stack(rows)
+        return logprobs, self._sample(logprobs)  # samplers take any leading shape
 
     def _roll_back(self, kept: list[int | None], width: int, start: int, pads: list[int]) -> None:
         """Take the drafts each row did not keep (``width`` minus ``kept``) out of

@@ -19,6 +19,7 @@ import attrs
 from .budget import parse_budget, parse_bytes
 from .errors import InvalidRequest
 from .request import DEFAULT_MAX_TOKENS, SamplingParams
+from .speculate import MAX_DRAFT
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUEUE_PER_SLOT = 8  # the default queue bound: this many waiting rows per batch slot
@@ -212,8 +213,9 @@ class EngineSettings:
         "request can say speculative: false",
     )  # fmt: skip
     draft_tokens: int = setting(
-        8, validator=_at_least(1), help="most draft tokens a row carries into one decode step"
-    )
+        MAX_DRAFT, validator=_at_least(1),
+        help="most draft tokens a row carries into one decode step",
+    )  # fmt: skip
     # A GPU call running longer than this marks the engine unhealthy (/health 503).
     step_timeout: float = setting(
         120.0, validator=[_seconds(), _request_defaults],
