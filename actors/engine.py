@@ -34,7 +34,7 @@ from .emitter import Emitter
 from .errors import EngineClosed, InvalidRequest, Overloaded
 from .gpu import Gpu
 from .intake import Intake, Prompt
-from .loading import ModelInfo, load_model
+from .loading import ModelInfo, load_draft, load_model
 from .mailbox import Mailbox
 from .prefill import PrefillActor
 from .prompt_cache import PromptCacheActor
@@ -44,6 +44,7 @@ from .row import Cancel, Phase, Row, RowView, SessionView, sessions, tree, view
 from .rows import Speculation
 from .serial import Serial
 from .settings import EngineSettings
+from .speculate import DraftModel
 from .stats import Count, Metric, Mode, Stats, StatsSnapshot
 from .stream import RequestStream
 from .watchdog import Watchdog, stall_reason
@@ -295,7 +296,8 @@ async def open_engine(
     ``prompt_cache_size`` / ``prompt_cache_bytes`` (0 entries: no cache),
     ``chat_template`` / ``chat_template_args``, and ``kv_budget`` (bytes,
     ``"auto"`` or None: rows queue until they fit, a row that never could is
-    refused, the prompt cache gets what is left). On exit, rows still in flight
+    refused, the prompt cache gets what is left), ``speculative`` /
+    ``draft_tokens`` / ``draft_model`` (docs/speculative.md). On exit, rows still in flight
     are cancelled and each gets its terminal event.
 
     ``group`` (an ``mx.distributed`` group, under ``mlx.launch``) shards the
@@ -325,6 +327,17 @@ async def open_engine(
             settings = attrs.evolve(settings, pause_after=None, speculative=False)
         if settings.context_length is not None:
             info = attrs.evolve(info, context_length=settings.context_length)
+        draft = None
+        if settings.draft_model is not None and settings.speculative:
+            draft, drafts = await gpu.call_here(
+                load_draft, settings.draft_model, settings.dtype, tokenizer, info,
+                settings.ragged_attention,
+            )  # fmt: skip
+            # a row's budget holds its draft KV too (whether or not it drafts)
+            info = attrs.evolve(
+                info, kv_costs=info.kv_costs + drafts.kv_costs,
+                weights_bytes=info.weights_bytes + drafts.weights_bytes,
+            )  # fmt: skip
         budget = settings.kv_budget
         if budget == "auto":
             budget = auto_budget(info.weights_bytes)
@@ -339,7 +352,7 @@ async def open_engine(
                 gpu, loaded, info.id, settings.prompt_cache_dir, settings.prompt_cache_disk
             )
         actors, to_admission, admitter = _wire(
-            loaded, tokenizer, info, settings, budget, gpu, stats, disk
+            loaded, tokenizer, info, settings, budget, gpu, stats, disk, draft
         )
         if sharded:
             actors.append(RankWatch(gpu.replica, gpu))
@@ -373,6 +386,7 @@ def _wire(
     gpu: Gpu,
     stats: Stats,
     disk: disk_cache.DiskTier | None = None,
+    draft: DraftModel | None = None,
 ) -> tuple[list[Any], trio.MemorySendChannel, Admission]:
     """Open every mailbox, then build each actor with its ends, in one pass. Each
     producer gets its own clone of a send end and closes it when it stops; the
@@ -396,7 +410,9 @@ def _wire(
         }
 
     steps, think = settings.prefill_step_size, info.think
-    speculation = Speculation(settings.draft_tokens) if settings.speculative else None
+    speculation = None
+    if settings.speculative:
+        speculation = Speculation(settings.draft_tokens, draft=draft)
     admitter = Admission(
         settings.batch,
         budget,

@@ -9,8 +9,10 @@ import attrs
 
 from . import ragged
 from .budget import LayerCost, probe
+from .errors import InvalidRequest
 from .models import resolve, short_id
 from .ranks import SharedInputs, sharded_load
+from .speculate import DraftModel
 
 
 @attrs.frozen
@@ -78,6 +80,37 @@ def load_model(
         else None,
     )
     return model, tokenizer, info
+
+
+def load_draft(
+    path: Any, dtype: str | None, tokenizer: Any, info: ModelInfo, ragged_attention: bool = True
+) -> tuple[DraftModel, ModelInfo]:
+    """Load a draft model for ``--draft-model`` as the target was loaded, and
+    check that it can draft for it: the same vocabulary (token for token) and
+    plain KV caches (a row's draft KV is cut back after every proposal). A
+    mismatch is an :class:`InvalidRequest` naming ``draft_model``."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    model, draft_tokenizer, draft_info = load_model(path, dtype, None, ragged_attention)
+    ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if ours != theirs:
+        differ = len(set(ours.items()) ^ set(theirs.items()))
+        raise InvalidRequest(
+            f"draft_model {draft_info.id!r} has another tokenizer than {info.id!r} "
+            f"({len(theirs)} tokens against {len(ours)}, {differ} entries differ): a "
+            "draft model must share the model's vocabulary, e.g. a smaller model of "
+            "the same family",
+            param="draft_model",
+        )
+    kinds = {type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache}
+    if kinds:
+        raise InvalidRequest(
+            f"draft_model {draft_info.id!r} keeps {', '.join(sorted(kinds))} caches, which "
+            "cannot be cut back after a proposal: a draft model needs full attention "
+            "in every layer (plain KV caches)",
+            param="draft_model",
+        )
+    return DraftModel(model, info.vocab_size), draft_info
 
 
 def cast(model: Any, dtype: str | None) -> None:

@@ -30,7 +30,7 @@ from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sam
 from .prompt_cache import clone
 from .ranks import Mirrored, mirrored
 from .request import SamplingParams, TopLogprob
-from .speculate import Drafter, Gate, Matches, SharedIndex
+from .speculate import Drafter, DraftModel, Gate, Matches, ModelDrafter, SharedIndex
 
 
 def build_sampling(params: SamplingParams):
@@ -77,12 +77,14 @@ class Read:
 @attrs.define(eq=False)
 class Speculation:
     """The running batch's drafting: the gate that sizes each step, the index
-    shared by every row, and the most drafts a row carries into a step."""
+    shared by every row, the most drafts a row carries into a step, and the
+    draft model where one is loaded."""
 
     max_draft: int
     gate: Gate = attrs.field(factory=Gate)
     shared: SharedIndex | None = attrs.field(factory=SharedIndex)
     matches: Matches = attrs.field(factory=Matches)
+    draft: DraftModel | None = None  # a draft model drafts instead of the n-gram indexes
 
 
 @attrs.frozen
@@ -367,9 +369,11 @@ class Batch:
             asked = slot.params.max_draft
             limit = self.spec.max_draft if asked is None else min(asked, self.spec.max_draft)
             if limit > 0 and not slot.processors and slot.first is not None:
-                slot.drafter = Drafter.start(
-                    slot.prompt, self.spec.shared, self.spec.matches, limit
-                )
+                shared, matches, draft = self.spec.shared, self.spec.matches, self.spec.draft
+                if draft is None:
+                    slot.drafter = Drafter.start(slot.prompt, shared, matches, limit)
+                else:
+                    slot.drafter = ModelDrafter.start(slot.prompt, shared, matches, limit, draft)
                 slot.drafter.known(slot.first)  # read at prime: known
                 slot.pending_known = True
             slot.prompt = None
@@ -612,10 +616,9 @@ class Batch:
             drafter = slot.drafter
             proposal: list[int] = []
             if drafter is not None and not slot.dead and slot.fault is None and slot.left > 1:
-                guessing = not slot.pending_known
-                proposal = drafter.propose(slot.left + guessing)
-                if len(proposal) > guessing:
-                    offers.append((drafter, len(proposal) - guessing, guessing))
+                proposal, n, guessing = drafter.offer(slot.left, not slot.pending_known)
+                if n:
+                    offers.append((drafter, n, guessing))
             proposals.append(proposal)
         return _Plan(offers, proposals) if offers else None
 

@@ -216,6 +216,12 @@ class EngineSettings:
         MAX_DRAFT, validator=_at_least(1),
         help="most draft tokens a row carries into one decode step",
     )  # fmt: skip
+    draft_model: str | None = setting(
+        None, parse=str, shown="none",
+        help="a small model of the same tokenizer (a path, GGUF file or known name, as "
+        "for the model) that drafts for every row instead of the n-gram lookups, its KV "
+        "kept per row beside the target's",
+    )  # fmt: skip
     # A GPU call running longer than this marks the engine unhealthy (/health 503).
     step_timeout: float = setting(
         120.0, validator=[_seconds(), _request_defaults],

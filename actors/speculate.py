@@ -9,13 +9,16 @@ what it did not keep (``rows.Batch``). A draft costs a column of the step for
 every row, so the :class:`Gate` drafts only where the expected tokens per
 step pay for the wider step at this batch size (docs/speculative.md).
 
-The drafters need no model:
+The drafters:
 
 * **prompt**: n-gram lookup in the row's own prompt and output. A coding agent
   that rewrites a file it was shown copies most of its answer from its prompt.
 * **suffix**: the same lookup over a shared index of recent rows' prompts and
   outputs (:class:`SharedIndex`), so a sub-agent can draft from what its
   siblings just wrote.
+* **model**: a small draft model of the same tokenizer, where the user gives
+  one (``--draft-model``): its greedy tokens, from its own KV kept per row
+  (:class:`ModelDrafter`), as mlx-lm's ``speculative_generate_step`` for one row.
 
 Everything here runs on the GPU actor's thread (the batch calls it inside its
 step), except the figures, which the decode actor reads from each step's result.
@@ -25,10 +28,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
-DRAFTERS = ("prompt", "suffix")
+DRAFTERS = ("prompt", "suffix", "model")
 MAX_DRAFT = 8  # most draft tokens one row carries into a step
 # n-gram lengths matched against the row's own tokens, longest first; the shared
 # index asks for longer matches (another text continues the same way less often).
@@ -56,6 +62,8 @@ EXPLORE_EVERY = 64
 # A plain step's cost is measured by waiting for its forward (a pipeline bubble)
 # when it was last measured more than this many steps ago.
 REMEASURE = 32
+MODEL = "model"
+DRAFT_PREFILL = 512  # tokens per chunk when a draft model catches up on a prompt
 
 
 class NgramIndex:
@@ -240,6 +248,14 @@ class Drafter:
             self.match = (source, n)
         return found
 
+    def offer(self, left: int, guessing: bool) -> tuple[list[int], int, bool]:
+        """Before a step, for the gate: a proposal for a row that may read ``left``
+        more tokens, how many drafts it offers, and whether its first token is a
+        guess of the pending one (the pending token is not known yet: the
+        proposal is cheap, so it guesses, and drafts again once it is known)."""
+        proposal = self.propose(left + guessing)
+        return proposal, max(0, len(proposal) - guessing), guessing
+
     def shadow_of(self, proposal: list[int]) -> None:
         """Keep an undrafted proposal to check against the coming tokens."""
         if not self.shadow and self.match is not None:
@@ -262,6 +278,92 @@ class Drafter:
         first, then = self.rates()
         run = first * sum(then**j for j in range(k))
         return run * first if guessing else run
+
+
+@attrs.frozen
+class DraftModel:
+    """A draft model loaded beside the target (same tokenizer, plain KV caches):
+    the model, and the target's vocabulary size (a draft past it is dropped)."""
+
+    model: Any
+    vocab: int | None = None
+
+
+@attrs.define(eq=False)
+class ModelDrafter(Drafter):
+    """A row's drafter that asks a draft model: the row's tokens (``own``, also
+    what the shared index gets when it leaves) and the draft model's KV of them,
+    kept beside the target's. Each proposal first feeds the draft what it has
+    not seen (the prompt at the start, then the tokens the row read since), then
+    its greedy tokens one by one; the draft's KV keeps the proposal's tokens
+    that the row then read (checked at the next proposal) and drops the rest."""
+
+    draft: DraftModel | None = None
+    cache: list[Any] | None = attrs.field(default=None, repr=False)
+    fed: int = 0  # the row's tokens in the draft's KV
+    guess: list[int] = attrs.field(factory=list)  # fed past ``fed`` by the last proposal
+
+    @classmethod
+    def start(  # type: ignore[override]
+        cls, prompt: Sequence[int], shared: SharedIndex | None, matches: Matches, limit: int,
+        draft: DraftModel,
+    ) -> ModelDrafter:  # fmt: skip
+        drafter = cls(NgramIndex(OWN_NGRAMS, prompt), shared, matches, limit, draft=draft)
+        drafter.cache = make_prompt_cache(draft.model)
+        if drafter._feed(list(prompt[:-1])) is not None:  # the rest comes with the first proposal
+            mx.eval([c.state for c in drafter.cache])
+        return drafter
+
+    def offer(self, left: int, guessing: bool) -> tuple[list[int], int, bool]:
+        """A draft model proposes only once the pending token is known (inside a
+        verify step: a guess would cost forwards); it offers up to its limit."""
+        self.match = (MODEL, 0)
+        return [], min(self.limit, left), False
+
+    def propose(self, k: int) -> list[int]:
+        k = min(k, self.limit)
+        self.match = (MODEL, 0)
+        if k <= 0:
+            return []
+        tokens = self.own.tokens
+        kept = 0  # the last proposal's fed tokens that the row read since
+        while kept < len(self.guess) and self.fed + kept < len(tokens):
+            if tokens[self.fed + kept] != self.guess[kept]:
+                break
+            kept += 1
+        self._trim(len(self.guess) - kept)
+        self.fed += kept
+        logits = self._feed(tokens[self.fed :])
+        model, out = self.draft.model, []
+        for i in range(k):
+            token = mx.argmax(logits, axis=-1)
+            out.append(token)
+            if i < k - 1:
+                logits = model(token[None], cache=self.cache)[:, -1, :]
+        mx.eval(out)
+        found = [int(t.item()) for t in out]
+        self.guess = found[:-1]
+        if self.draft.vocab is not None:  # a token only the draft's embedding has
+            bad = [i for i, t in enumerate(found) if t >= self.draft.vocab]
+            found = found[: bad[0]] if bad else found
+        return found
+
+    def _feed(self, tokens: list[int]) -> mx.array | None:
+        """Feed the draft ``tokens`` (chunked), return the last position's logits."""
+        logits = None
+        for at in range(0, len(tokens), DRAFT_PREFILL):
+            chunk = mx.array(tokens[at : at + DRAFT_PREFILL])[None]
+            logits = self.draft.model(chunk, cache=self.cache)[:, -1, :]
+            if at + DRAFT_PREFILL < len(tokens):
+                mx.eval([c.state for c in self.cache])
+        self.fed += len(tokens)
+        return logits
+
+    def _trim(self, n: int) -> None:
+        if n:
+            for c in self.cache:
+                c.trim(n)
+        self.guess = []
 
 
 @attrs.define(eq=False)

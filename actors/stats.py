@@ -118,6 +118,10 @@ class Metric(enum.Enum):
     ACCEPTED_SUFFIX = (
         Kind.COUNTER, "draft_accepted_suffix", "Shared-suffix-index draft tokens kept."
     )
+    DRAFTED_MODEL = (
+        Kind.COUNTER, "draft_tokens_model", "Draft tokens proposed by the draft model."
+    )
+    ACCEPTED_MODEL = (Kind.COUNTER, "draft_accepted_model", "Draft-model tokens kept.")
     VERIFY_STEPS = (
         Kind.COUNTER, "verify_steps", "Decode steps that verified draft tokens."
     )
@@ -313,6 +317,8 @@ class StatsSnapshot:
     accepted_prompt: int
     drafted_suffix: int
     accepted_suffix: int
+    drafted_model: int
+    accepted_model: int
     verify_steps: int  # decode steps that verified drafts
     decode_tokens: int  # tokens the decode steps read
     row_forwards: int  # rows read per decode step, summed: tokens per forward's divisor

@@ -336,3 +336,88 @@ async def test_a_verify_step_mixes_greedy_sampled_and_processor_rows(forced_draf
     for i in (0, 1, 2):
         assert drafted[i].tokens == plain[i].tokens, i
     assert drafted[3].finish_reason in ("length", "stop") and drafted[3].tokens
+
+
+# -- a draft model ----------------------------------------------------------------------------
+
+
+def _draft_dir(tmp_path, family: str, layers: int | None = None, rename: bool = False):
+    """A copy of a golden model to draft with: its first ``layers`` layers only
+    (a smaller, correlated model of the same tokenizer), or with one vocabulary
+    entry renamed (another tokenizer)."""
+    import json
+    import shutil
+
+    from conftest import model_path
+
+    out = tmp_path / f"draft-{family}-{layers}-{rename}"
+    shutil.copytree(model_path(family), out)
+    if layers is not None:
+        config = json.loads((out / "config.json").read_text())
+        config["num_hidden_layers"] = layers
+        (out / "config.json").write_text(json.dumps(config))
+        weights = mx.load(str(out / "model.safetensors"))
+        kept = {k: v for k, v in weights.items()
+                if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}  # fmt: skip
+        mx.save_safetensors(str(out / "model.safetensors"), kept)
+    if rename:
+        tok = json.loads((out / "tokenizer.json").read_text())
+        vocab = tok["model"]["vocab"]
+        vocab["\u00a7"] = vocab.pop("!")
+        (out / "tokenizer.json").write_text(json.dumps(tok))
+    return str(out)
+
+
+DRAFT_PAIRS = (("llama", "llama", 1), ("llama", "llama", None), ("qwen3", "llama", None))
+
+
+@pytest.mark.parametrize(("family", "drafter", "layers"), DRAFT_PAIRS)
+async def test_draft_model_gives_mlx_lm_tokens(family, drafter, layers, tmp_path, forced_drafts):
+    """A draft model drafts for every row: the target's first layer alone (keeps
+    some of each run), the target itself (keeps nearly all), another family of
+    the same tokenizer (keeps little). Lone rows and every scripted batch
+    scenario give mlx-lm's tokens; the draft's KV follows each row's."""
+    g = golden(family)
+    draft = _draft_dir(tmp_path, drafter, layers)
+    drafted = kept = 0
+    async with checked_engine(family, batch=8, draft_model=draft) as engine:
+        for case in g["serial"]:
+            result = await engine.generate(case["prompt_ids"], max_tokens=case["max_tokens"])
+            assert result.tokens == case["tokens"], case["prompt"]
+            assert result.finish_reason == case["finish_reason"], case["prompt"]
+        stats = engine.stats()
+        drafted, kept = stats.drafted_model, stats.accepted_model
+        assert stats.drafted_prompt == stats.drafted_suffix == 0
+    for name, rows in g["batch"].items():
+        async with checked_engine(family, batch=8, draft_model=draft) as engine:
+            results = await _play(engine, g["prompts"], rows)
+            for row, result in zip(rows, results, strict=True):
+                where = f"{name}/{row['prompt']}@{row['insert_at']}"
+                assert result.tokens == row["tokens"], where
+                assert result.finish_reason == row["finish_reason"], where
+            drafted += engine.stats().drafted_model
+            kept += engine.stats().accepted_model
+    assert drafted > 0
+    if layers is None and family == drafter:  # the target drafting for itself
+        assert kept > 0.8 * drafted
+    elif family == drafter:
+        assert 0 < kept < drafted
+
+
+async def test_draft_model_that_cannot_draft_is_refused(tmp_path):
+    from mlx_nursery.actors import InvalidRequest
+
+    for draft, why in (
+        (_draft_dir(tmp_path, "llama", rename=True), "another tokenizer"),
+        (str(model_path_of("mamba2")), "cannot be cut back"),
+    ):
+        with pytest.raises(InvalidRequest, match=why) as caught:
+            async with checked_engine("llama", draft_model=draft):
+                pass
+        assert caught.value.param == "draft_model"
+
+
+def model_path_of(family: str):
+    from conftest import model_path
+
+    return model_path(family)
