@@ -27,6 +27,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
+from .gpu import calls_begun
 from .prompt_cache import clone
 from .ranks import Mirrored, mirrored
 from .request import SamplingParams, TopLogprob
@@ -275,8 +276,9 @@ class Batch:
     refilled: int = 0  # rows written over a retired slot so far
     # The running batch's drafting (None: plain steps only; a joiner's batch).
     spec: Speculation | None = None
-    # The last plain step: (rows, when it started), for the gate's cost figures.
-    _plain_at: tuple[int, float] | None = attrs.field(default=None, repr=False)
+    # The last plain step: (rows, when it started, the GPU call it ran in), for the
+    # gate's cost figures.
+    _plain_at: tuple[int, float, int] | None = attrs.field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -330,6 +332,8 @@ class Batch:
         the batch (compacted first, if slots are still retired) with the result
         and with each batched joiner (a group prefilled together)."""
         joiners = [j for j in joiners if j.slots]
+        if joiners:
+            self._plain_at = None  # the next step's period would hold this join
         if joiners and self.dead:
             joiners = [j for j in joiners if self._fill(j)]
             if joiners:
@@ -571,18 +575,21 @@ class Batch:
 
     def _plain(self) -> list[Read | None]:
         """A plain step. Where it drafts, the batch also times it for the gate:
-        from the last plain step's start when that one was plain too (the
-        pipeline's period), else, when the figure is stale, by waiting for its
-        forward once."""
+        from the last plain step's start when that one was plain too, in the GPU
+        call just before this one, with the same rows (the pipeline's period:
+        no join, leave or prefill chunk in between), else, when the figure is
+        stale, by waiting for its forward once."""
         current_lp = self.next_logprobs
         gate, rows = self.spec.gate if self.drafts_fit else None, len(self.slots)
         timed = gate is not None and gate.stale(rows, 1)
         if timed:  # joins and leaves settled first: their copies are not the step's
             mx.eval(self.next_tokens, current_lp, [c.state for c in self.caches])
-        now = time.perf_counter()
-        if gate is not None and self._plain_at is not None and self._plain_at[0] == rows:
-            gate.observe(rows, 1, now - self._plain_at[1])
-        self._plain_at = (rows, now) if gate is not None else None
+        now, call = time.perf_counter(), calls_begun()
+        if gate is not None and self._plain_at is not None:
+            was_rows, then, was_call = self._plain_at
+            if was_rows == rows and was_call == call - 1:
+                gate.observe(rows, 1, now - then)
+        self._plain_at = (rows, now, call) if gate is not None else None
         inputs, _ = self._forward()
         if timed:
             mx.eval(self.next_tokens)
