@@ -421,3 +421,70 @@ def model_path_of(family: str):
     from conftest import model_path
 
     return model_path(family)
+
+
+def test_gate_times_a_plain_step_only_by_an_uninterrupted_period(monkeypatch):
+    """A plain step's period is a cost figure only when the GPU call before its
+    own was the last plain step's, with the same rows and no join: a prefill
+    chunk, a leave or a join in between is not the step's cost."""
+    from mlx_nursery.actors import rows
+
+    model, _ = loaded("llama")
+    case = golden("llama")["serial"][0]
+    batch = Batch(model, spec=Speculation(8))
+    job = Prefill(model, case["prompt_ids"], SamplingParams(max_tokens=40), 32, row_id=0)
+    while job.remaining > 0:
+        job.chunk()
+    joiner = job.prime()
+    joiner.read_first()
+    batch.join([joiner])
+    gate = batch.spec.gate
+    for _ in range(3):  # measured lately: no timed step
+        gate.observe(1, 1, 0.05)
+    call = iter([10, 11, 12, 14, 15, 16, 17])
+    monkeypatch.setattr(rows, "calls_begun", lambda: next(call))
+
+    def plain_steps(n: int) -> int:
+        before = gate.counts[(1, 1)]
+        for _ in range(n):
+            batch._plain()
+        return gate.counts[(1, 1)] - before
+
+    assert plain_steps(3) == 2  # calls 10, 11, 12: two periods
+    assert plain_steps(1) == 0  # call 14: another call ran at 13
+    assert plain_steps(1) == 1  # call 15
+    batch.join([])  # no joiner: nothing changes
+    assert plain_steps(1) == 1  # call 16
+    other = Prefill(model, case["prompt_ids"], SamplingParams(max_tokens=40), 32, row_id=1)
+    while other.remaining > 0:
+        other.chunk()
+    primed = other.prime()
+    primed.read_first()
+    batch.join([primed])  # a joiner: the next period would hold its join
+    assert batch._plain_at is None
+
+
+async def test_seeded_rows_give_the_same_tokens_with_speculation_on_and_off(forced_drafts):
+    """A seeded sampled row gives the same tokens with speculation on (every
+    step that can draft does) and off: seeded rows run on the serial lane,
+    which feeds one token a step, so their draws come in the same order."""
+    case = golden("llama")["serial"][0]
+
+    async def seeded(engine) -> list[list[int]]:
+        out = []
+        for seed in (1, 2, 3):
+            result = await engine.generate(
+                case["prompt_ids"], max_tokens=40, temperature=0.9, seed=seed
+            )
+            out.append(result.tokens)
+        return out
+
+    async with checked_engine("llama", batch=8) as engine:
+        for _ in range(2):  # the second drafts from the first's text
+            await engine.generate(case["prompt_ids"], max_tokens=40)
+        assert engine.stats().verify_steps > 0
+        on = await seeded(engine)
+    async with checked_engine("llama", batch=8, speculative=False) as engine:
+        off = await seeded(engine)
+    assert on == off
+    assert len({tuple(t) for t in on}) > 1  # the seeds matter
