@@ -98,6 +98,19 @@ class _Plan:
 
 
 @attrs.frozen
+class _Verified:
+    """A verify step whose cost the gate gets at the next step (``Batch._settle``):
+    its rows and width, when it started (its pending tokens in) and the GPU call
+    it ran in, and its seconds up to its rollback."""
+
+    rows: int
+    width: int
+    start: float
+    seconds: float
+    call: int = attrs.field(factory=calls_begun)
+
+
+@attrs.frozen
 class _Offer:
     """One slot's drafts for a verify step (``tokens`` follow its pending token)."""
 
@@ -279,6 +292,7 @@ class Batch:
     # The last plain step: (rows, when it started, the GPU call it ran in), for the
     # gate's cost figures.
     _plain_at: tuple[int, float, int] | None = attrs.field(default=None, repr=False)
+    _verified: _Verified | None = attrs.field(default=None, repr=False)  # the last verify step
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -332,8 +346,9 @@ class Batch:
         the batch (compacted first, if slots are still retired) with the result
         and with each batched joiner (a group prefilled together)."""
         joiners = [j for j in joiners if j.slots]
-        if joiners:
-            self._plain_at = None  # the next step's period would hold this join
+        if joiners:  # the next step's period would hold this join
+            self._plain_at = None
+            self._settle(clean=False)
         if joiners and self.dead:
             joiners = [j for j in joiners if self._fill(j)]
             if joiners:
@@ -563,6 +578,7 @@ class Batch:
         retired slot). A row whose own work failed reads as a :class:`Sampled`
         with ``error``. Plain, pipelined (start step n+1, then read step n), unless
         the gate finds drafts worth a verify step (:meth:`_verify`)."""
+        self._settle(clean=True)
         plan = self._offers() if self.drafts_fit else None
         if plan is not None and not self.spec.gate.stale(len(self.slots), 1):
             width = self.spec.gate.choose(len(self.slots), plan.offers)
@@ -705,8 +721,20 @@ class Batch:
         self.next_tokens = mx.array([drawn[e][k or 0] for e, k in enumerate(kept)], mx.uint32)
         self.next_logprobs = [logprobs[e, k or 0] for e, k in enumerate(kept)]
         self._roll_back(kept, width, start, pads)
-        self.spec.gate.observe(len(self.slots), width + 1, time.perf_counter() - t0)
+        self._verified = _Verified(len(self.slots), width + 1, t0, time.perf_counter() - t0)
         return out
+
+    def _settle(self, clean: bool) -> None:
+        """Give the gate the last verify step's cost: from its start (its pending
+        tokens in) to the next step's start, where the next GPU call is that step
+        (``clean``): the host's work on what it read runs with no forward in
+        flight, unlike a plain step's, and is its cost too; else up to its
+        rollback (a join, a leave or a prefill chunk ran in between)."""
+        done, self._verified = self._verified, None
+        if done is not None and self.spec is not None:
+            clean = clean and calls_begun() == done.call + 1
+            seconds = time.perf_counter() - done.start if clean else done.seconds
+            self.spec.gate.observe(done.rows, done.width, seconds)
 
     def _sample_all(self, inputs: mx.array, logits: mx.array) -> tuple[mx.array, mx.array]:
         """The target's token at every position of a verify step, per row: its

@@ -52,9 +52,10 @@ PRIOR_SHARE = 0.5  # a kind of match's estimate before any observation
 # A wider step is taken only when it is expected to deliver this much more
 # tokens per second than a plain one (it must beat noise in the measured costs).
 MARGIN = 1.05
-# Until a width has been measured at a batch size, each extra column is assumed
-# to cost this share of a plain step (the cost model's prior; see ``Gate.cost``).
-PRIOR_COLUMN_COST = 0.15
+# Until a verify step has been measured, each extra token a step feeds is assumed
+# to cost this share of the cheapest plain step (the cost model's prior; see
+# ``Gate.token_cost``).
+PRIOR_TOKEN_COST = 0.15
 COST_DECAY = 0.8  # weight of the older figure in a step cost's moving average
 # Of a few hundred steps, one in this many tries a width the gate has not
 # measured lately, so a stale or unlucky figure cannot shut a width out forever.
@@ -398,21 +399,40 @@ class Gate:
 
     def cost(self, batch: int, width: int) -> float:
         """Seconds for one step: measured; else between the measured widths around
-        it, or the nearest one plus the prior's cost per column (in units of a
-        plain step when nothing is measured at this batch size)."""
+        it; else the nearest measured width's cost plus :meth:`token_cost` for
+        each token more that the step feeds (``batch`` per column). With nothing
+        measured at this batch size, in units of a plain step."""
         known = {w: t for (b, w), t in self.times.items() if b == batch}
         if width in known:
             return known[width]
-        if not known:
-            return 1.0 + PRIOR_COLUMN_COST * (width - 1)
         below = max((w for w in known if w < width), default=None)
         above = min((w for w in known if w > width), default=None)
         if below is not None and above is not None:  # between two measured widths
             share = (width - below) / (above - below)
             return known[below] + share * (known[above] - known[below])
-        plain = known.get(1) or min(t / (1 + PRIOR_COLUMN_COST * (w - 1)) for w, t in known.items())
+        if not known:  # in units of a plain step
+            return 1.0 + PRIOR_TOKEN_COST * batch * (width - 1)
         nearest = below if below is not None else above
-        return max(plain, known[nearest] + PRIOR_COLUMN_COST * plain * (width - nearest))
+        step = self.token_cost() * batch
+        return max(known.get(1, 0.0), known[nearest] + step * (width - nearest))
+
+    def token_cost(self) -> float:
+        """Seconds one more token fed adds to a step, whatever the batch size:
+        the median over measured widths of (cost - plain cost) / extra tokens.
+        On a CPU a step's extra positions cost compute in proportion to the
+        tokens fed (SmolLM2: 11-17 ms a token at batch 1 and at batch 8), so one
+        figure carries across batch sizes, where a share of a plain step would
+        not (a column at batch 8 costs eight tokens). Before any is measured:
+        :data:`PRIOR_TOKEN_COST` of the cheapest plain step."""
+        estimates = sorted(
+            max(0.0, (t - self.times[(b, 1)]) / (b * (w - 1)))
+            for (b, w), t in self.times.items()
+            if w > 1 and (b, 1) in self.times
+        )
+        if estimates:
+            return estimates[len(estimates) // 2]
+        plains = [t for (b, w), t in self.times.items() if w == 1]
+        return PRIOR_TOKEN_COST * (min(plains) if plains else 1.0)
 
     def choose(self, batch: int, offers: Sequence[tuple[Drafter, int, bool]]) -> int:
         """The width (extra columns) for a step whose rows offer these drafts:

@@ -18,7 +18,6 @@ import pytest
 import trio
 from conftest import checked_engine, golden, loaded, running_server
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_nursery.actors import speculate
 from mlx_nursery.actors.request import SamplingParams
 from mlx_nursery.actors.rows import Batch, Prefill, Speculation
 from mlx_nursery.actors.speculate import Drafter, Gate, Matches, NgramIndex, SharedIndex
@@ -111,7 +110,12 @@ def test_gate_drafts_only_where_the_measured_cost_pays():
     # rows that never keep a draft: the plain step
     assert gate.choose(4, [(unsure, 4, False)] * 4) == 0
     assert gate.cost(4, 3) == pytest.approx(0.150)  # between two measured widths
-    assert gate.cost(4, 7) == pytest.approx(0.200 + 2 * speculate.PRIOR_COLUMN_COST * 0.100)
+    # beyond them: 0.1 s more for 4 rows x 4 tokens, so 4 x 2 tokens more cost 0.05 s
+    assert gate.token_cost() == pytest.approx(0.100 / 16)
+    assert gate.cost(4, 7) == pytest.approx(0.250)
+    # at another batch size, the same cost per token: 8 rows' column costs 8 tokens
+    gate.observe(8, 1, 0.150)
+    assert gate.cost(8, 3) == pytest.approx(0.150 + 16 * 0.100 / 16)
     assert gate.stale(8, 1) and not gate.stale(4, 1)
 
 
