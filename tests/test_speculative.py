@@ -10,13 +10,15 @@ gate's own choice is tested on its own, below.
 
 from __future__ import annotations
 
+import json
+import shutil
 from functools import partial
 
 import httpx
 import mlx.core as mx
 import pytest
 import trio
-from conftest import checked_engine, golden, loaded, running_server
+from conftest import checked_engine, golden, loaded, model_path, running_server
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_nursery.actors.request import SamplingParams
 from mlx_nursery.actors.rows import Batch, Prefill, Speculation
@@ -349,11 +351,6 @@ def _draft_dir(tmp_path, family: str, layers: int | None = None, rename: bool = 
     """A copy of a golden model to draft with: its first ``layers`` layers only
     (a smaller, correlated model of the same tokenizer), or with one vocabulary
     entry renamed (another tokenizer)."""
-    import json
-    import shutil
-
-    from conftest import model_path
-
     out = tmp_path / f"draft-{family}-{layers}-{rename}"
     shutil.copytree(model_path(family), out)
     if layers is not None:
@@ -413,18 +410,12 @@ async def test_draft_model_that_cannot_draft_is_refused(tmp_path):
 
     for draft, why in (
         (_draft_dir(tmp_path, "llama", rename=True), "another tokenizer"),
-        (str(model_path_of("mamba2")), "cannot be cut back"),
+        (str(model_path("mamba2")), "cannot be cut back"),
     ):
         with pytest.raises(InvalidRequest, match=why) as caught:
             async with checked_engine("llama", draft_model=draft):
                 pass
         assert caught.value.param == "draft_model"
-
-
-def model_path_of(family: str):
-    from conftest import model_path
-
-    return model_path(family)
 
 
 def test_gate_times_a_plain_step_only_by_an_uninterrupted_period(monkeypatch):
