@@ -39,13 +39,8 @@ CLEAR_CACHE_EVERY = 256  # steps between mx.clear_cache(), as generate_step does
 # the batch is compacted (a copy of every row that stays); sooner when half the
 # batch is retired. Each turn it waits costs one row's share of a step.
 RETIRED_TURNS = 8
-DRAFTED = {
-    "prompt": Metric.DRAFTED_PROMPT, "suffix": Metric.DRAFTED_SUFFIX, "model": Metric.DRAFTED_MODEL,
-}  # fmt: skip
-ACCEPTED = {
-    "prompt": Metric.ACCEPTED_PROMPT, "suffix": Metric.ACCEPTED_SUFFIX,
-    "model": Metric.ACCEPTED_MODEL,
-}  # fmt: skip
+DRAFTED = {d: Metric[f"DRAFTED_{d.upper()}"] for d in DRAFTERS}  # per drafter
+ACCEPTED = {d: Metric[f"ACCEPTED_{d.upper()}"] for d in DRAFTERS}
 
 
 @attrs.frozen

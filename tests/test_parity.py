@@ -80,25 +80,34 @@ async def _play(engine, prompts, rows):
     return results
 
 
-@pytest.mark.parametrize("step_size", [32, 2048], ids=["chunked", "together"])
-async def test_batch_scenarios_match_batch_generator(family, step_size):
-    """At 32 tokens a turn most rows prefill alone, chunk by chunk (short ones
-    together); at 2048 every row that arrives with others is prefilled in one
-    padded batch with them, where the caches allow it (plain KV: llama, qwen3),
-    as mlx-lm's own batch prefill does."""
+async def _play_scenarios(family: str, **options) -> list:
+    """Every scripted batch scenario of the family's goldens, each in an engine of
+    its own (``checked_engine`` with ``options``): each row's tokens, text and
+    finish reason are mlx-lm's. Returns each engine's stats when its rows ended."""
     g = golden(family)
-    together = refilled = 0
+    stats = []
     for name, rows in g["batch"].items():
-        async with checked_engine(family, batch=8, prefill_step_size=step_size) as engine:
+        async with checked_engine(family, batch=8, **options) as engine:
             results = await _play(engine, g["prompts"], rows)
             for row, result in zip(rows, results, strict=True):
                 where = f"{name}/{row['prompt']}@{row['insert_at']}"
                 assert result.tokens == row["tokens"], where
                 assert result.text == row["text"], where
                 assert result.finish_reason == row["finish_reason"], where
-            assert engine.stats().steps > 0
-            together += engine.stats().prefilled_together
-            refilled += engine.stats().refilled
+            stats.append(engine.stats())
+    return stats
+
+
+@pytest.mark.parametrize("step_size", [32, 2048], ids=["chunked", "together"])
+async def test_batch_scenarios_match_batch_generator(family, step_size):
+    """At 32 tokens a turn most rows prefill alone, chunk by chunk (short ones
+    together); at 2048 every row that arrives with others is prefilled in one
+    padded batch with them, where the caches allow it (plain KV: llama, qwen3),
+    as mlx-lm's own batch prefill does."""
+    stats = await _play_scenarios(family, prefill_step_size=step_size)
+    assert all(s.steps > 0 for s in stats)
+    together = sum(s.prefilled_together for s in stats)
+    refilled = sum(s.refilled for s in stats)
     if step_size > 32:
         assert (together > 0) == (family in ("llama", "qwen3")), together
     # Rows that join after others left are written over their slots in place.

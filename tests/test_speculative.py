@@ -23,7 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_nursery.actors.request import SamplingParams
 from mlx_nursery.actors.rows import Batch, Prefill, Speculation
 from mlx_nursery.actors.speculate import Drafter, Gate, Matches, NgramIndex, SharedIndex
-from test_parity import _play
+from test_parity import _play_scenarios
 
 PLAIN_KV = ("llama", "qwen3")  # the golden families whose caches can be cut back
 
@@ -143,17 +143,8 @@ async def test_lone_row_drafting_matches_stream_generate(family, forced_drafts):
 async def test_batch_drafting_matches_batch_generator(family, forced_drafts):
     """Rows of every scripted scenario draft (differently each step), keep what
     they keep and are rolled back row by row; each row's tokens are mlx-lm's."""
-    g = golden(family)
-    verified = 0
-    for name, rows in g["batch"].items():
-        async with checked_engine(family, batch=8) as engine:
-            results = await _play(engine, g["prompts"], rows)
-            for row, result in zip(rows, results, strict=True):
-                where = f"{name}/{row['prompt']}@{row['insert_at']}"
-                assert result.tokens == row["tokens"], where
-                assert result.finish_reason == row["finish_reason"], where
-            verified += engine.stats().verify_steps
-    assert verified > 0
+    stats = await _play_scenarios(family)
+    assert sum(s.verify_steps for s in stats) > 0
 
 
 async def test_a_row_ends_inside_a_kept_run(forced_drafts):
@@ -389,15 +380,9 @@ async def test_draft_model_gives_mlx_lm_tokens(family, drafter, layers, tmp_path
         stats = engine.stats()
         drafted, kept = stats.drafted_model, stats.accepted_model
         assert stats.drafted_prompt == stats.drafted_suffix == 0
-    for name, rows in g["batch"].items():
-        async with checked_engine(family, batch=8, draft_model=draft) as engine:
-            results = await _play(engine, g["prompts"], rows)
-            for row, result in zip(rows, results, strict=True):
-                where = f"{name}/{row['prompt']}@{row['insert_at']}"
-                assert result.tokens == row["tokens"], where
-                assert result.finish_reason == row["finish_reason"], where
-            drafted += engine.stats().drafted_model
-            kept += engine.stats().accepted_model
+    for stats in await _play_scenarios(family, draft_model=draft):
+        drafted += stats.drafted_model
+        kept += stats.accepted_model
     assert drafted > 0
     if layers is None and family == drafter:  # the target drafting for itself
         assert kept > 0.8 * drafted
