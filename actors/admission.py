@@ -40,7 +40,7 @@ from .gpu import Gpu
 from .mailbox import closing
 from .prompt_cache import Trim
 from .request import FinishReason, Lane
-from .row import Cancel, End, Finish, NotPaused, Pause, Paused, Phase, Row
+from .row import Backlog, Cancel, End, Finish, NotPaused, Pause, Paused, Phase, Row
 from .stats import Count, Gauge, Metric, Observe, Stats
 
 MAILBOX_SIZE = 4096
@@ -305,6 +305,7 @@ class Admission:
     # An end request routed while its row was being paused: applied if it was.
     _held: dict[int, Cancel | Finish] = attrs.field(factory=dict, init=False)
     _closing: bool = attrs.field(default=False, init=False)
+    _backlog: bool = attrs.field(default=False, init=False)  # the last Backlog sent
 
     @property
     def _in_batch(self) -> int:
@@ -329,6 +330,9 @@ class Admission:
                 await self._expire()
                 await self._admit()
                 await self._pause()
+                if bool(self._queue) != self._backlog:
+                    self._backlog = bool(self._queue)
+                    await self.to_prefill.send(Backlog(self._backlog))  # on to decode
                 now_live = sum(self._projected.values())
                 self._report(now_live)
                 if now_live != live:

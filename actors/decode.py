@@ -28,7 +28,7 @@ from .mailbox import closing
 from .prefill import Join
 from .prompt_cache import Put, worth_keeping
 from .request import FinishReason
-from .row import Cancel, End, Finish, NotPaused, Pause, Paused, Phase, Row
+from .row import Backlog, Cancel, End, Finish, NotPaused, Pause, Paused, Phase, Row
 from .rows import Batch, Read, Speculation, fit
 from .speculate import DRAFTERS
 from .stats import Count, Gauge, Metric, Observe, Stats
@@ -100,10 +100,12 @@ def _leave(batch: Batch, leave: list[int], save: list[int], lengths: list[int]) 
     return LeaveResult(saved, batch.layout(), batch.nbytes, batch.padding_waste(), copied)
 
 
-def _advance(batch: Batch, joins: list[Joining], step: int, compact: bool) -> AdvanceResult:
+def _advance(
+    batch: Batch, joins: list[Joining], step: int, compact: bool, waiting: bool
+) -> AdvanceResult:
     """One GPU turn: joiners that left drop out of their groups, the rest join
     (over retired slots first), the batch is compacted if asked, then one step
-    (GPU thread)."""
+    (GPU thread; ``waiting``: requests wait for a slot)."""
     import mlx.core as mx
 
     t0 = time.perf_counter()
@@ -116,7 +118,7 @@ def _advance(batch: Batch, joins: list[Joining], step: int, compact: bool) -> Ad
     if compact:
         batch.compact()
     copied = batch.copied - before
-    sampled = batch.step() if len(batch) else []
+    sampled = batch.step(waiting) if len(batch) else []
     if step % CLEAR_CACHE_EVERY == 0:
         mx.clear_cache()
     seconds = time.perf_counter() - t0
@@ -133,7 +135,7 @@ class Decode:
     model: Any
     gpu: Gpu
     stats: Stats
-    inbox: trio.MemoryReceiveChannel  # Join, Cancel, Finish, Pause
+    inbox: trio.MemoryReceiveChannel  # Join, Cancel, Finish, Pause, Backlog
     to_emitter: trio.MemorySendChannel
     to_admission: trio.MemorySendChannel
     to_prompt_cache: trio.MemorySendChannel | None
@@ -145,6 +147,7 @@ class Decode:
     _turns: int = attrs.field(default=0, init=False)  # GPU turns taken
     _retired_turns: int = attrs.field(default=0, init=False)  # turns with a retired slot
     _pausing: list[int] = attrs.field(factory=list, init=False)  # row ids asked to pause
+    _waiting: bool = attrs.field(default=False, init=False)  # admission's last Backlog
 
     def __attrs_post_init__(self) -> None:
         self._batch = Batch(self.model, spec=self.speculation)
@@ -162,10 +165,12 @@ class Decode:
                         break
                 await self._turn()
 
-    def _take(self, message: Join | Cancel | Finish | Pause) -> None:
+    def _take(self, message: Join | Cancel | Finish | Pause | Backlog) -> None:
         match message:
             case Join():
                 self._joining.append(message)
+            case Backlog(waiting):
+                self._waiting = waiting
             case Pause(row_id):
                 self._pausing.append(row_id)
             case Cancel(row_id) | Finish(row_id):
@@ -210,7 +215,9 @@ class Decode:
         self._turns += 1
         compact = self._compact_due(len(joined))
         try:
-            result = await self.gpu.call(_advance, self._batch, taking, self._turns, compact)
+            result = await self.gpu.call(
+                _advance, self._batch, taking, self._turns, compact, self._waiting
+            )
         except Exception as exc:
             await self._fault(exc)
             for row in gone:

@@ -28,7 +28,7 @@ from .gpu import Gpu
 from .mailbox import closing
 from .prompt_cache import EntryKind, Put, shared_prefix, take
 from .request import FinishReason
-from .row import Cancel, End, Finish, Pause, Phase, Row
+from .row import Backlog, Cancel, End, Finish, Pause, Phase, Row
 from .rows import Batch, Prefill, Sampled, prefill_together
 from .stats import Count, Gauge, Metric, Stats
 
@@ -195,7 +195,7 @@ class PrefillActor:
     gpu: Gpu
     stats: Stats
     step_size: int
-    inbox: trio.MemoryReceiveChannel  # Submit, Cancel, Finish, Pause
+    inbox: trio.MemoryReceiveChannel  # Submit, Cancel, Finish, Pause, Backlog
     to_decode: trio.MemorySendChannel  # Join, and end requests for rows handed over
     to_emitter: trio.MemorySendChannel
     to_admission: trio.MemorySendChannel
@@ -237,7 +237,7 @@ class PrefillActor:
             if quiet >= QUIET_ROUNDS:
                 return
 
-    async def _take(self, message: Submit | Cancel | Finish | Pause) -> None:
+    async def _take(self, message: Submit | Cancel | Finish | Pause | Backlog) -> None:
         match message:
             case Submit(row) if row.phase is Phase.PAUSED:
                 # A paused row resumes: its own one-row batch, as it left, joins again.
@@ -260,8 +260,8 @@ class PrefillActor:
                         row.ask(message)
                         return
                 await self.to_decode.send(message)  # already handed over (or gone)
-            case Pause():
-                await self.to_decode.send(message)  # only a decoding row pauses
+            case Pause() | Backlog():
+                await self.to_decode.send(message)  # decode's: only a decoding row pauses
             case _:
                 raise TypeError(f"prefill got an unexpected message: {message!r}")
 

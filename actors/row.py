@@ -97,6 +97,16 @@ class Pause:
 
 
 @attrs.frozen
+class Backlog:
+    """admission -> decode (through prefill): whether requests now wait for a
+    slot of the batch (queued or paused), sent when that changes. With nobody
+    waiting, a draft kept only shortens the batch's own work, and the gate
+    values drafts so (``speculate.Gate.choose``)."""
+
+    waiting: bool
+
+
+@attrs.frozen
 class Paused:
     row: Row
 

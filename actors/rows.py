@@ -95,6 +95,7 @@ class _Plan:
 
     offers: list[tuple[Drafter, int, bool]]
     proposals: list[list[int]]
+    lefts: list[int]  # tokens each live row may still read: the offering rows' first
 
 
 @attrs.frozen
@@ -573,15 +574,17 @@ class Batch:
             out.append(sampled)
         return out
 
-    def step(self) -> list[Read | None]:
+    def step(self, waiting: bool = True) -> list[Read | None]:
         """One decode step: what it read from each slot, in batch order (None: a
         retired slot). A row whose own work failed reads as a :class:`Sampled`
         with ``error``. Plain, pipelined (start step n+1, then read step n), unless
-        the gate finds drafts worth a verify step (:meth:`_verify`)."""
+        the gate finds drafts worth a verify step (:meth:`_verify`); ``waiting``:
+        whether requests wait for a slot (the gate values drafts by it)."""
         self._settle(clean=True)
         plan = self._offers() if self.drafts_fit else None
         if plan is not None and not self.spec.gate.stale(len(self.slots), 1):
-            width = self.spec.gate.choose(len(self.slots), plan.offers)
+            lefts = None if waiting else plan.lefts
+            width = self.spec.gate.choose(len(self.slots), plan.offers, lefts)
             if width:
                 return self._verify(width)
             for slot, proposal in zip(self.slots, plan.proposals, strict=True):
@@ -634,16 +637,19 @@ class Batch:
     def _offers(self) -> _Plan | None:
         """What each slot could draft now (from what its host side knows: its
         pending token only when a verify step evaluated it), for the gate."""
-        offers, proposals = [], []
+        offers, proposals, lefts, others = [], [], [], []
         for slot in self.slots:
             drafter = slot.drafter
             proposal: list[int] = []
+            n = 0
             if drafter is not None and not slot.dead and slot.fault is None and slot.left > 1:
                 proposal, n, guessing = drafter.offer(slot.left, not slot.pending_known)
                 if n:
                     offers.append((drafter, n, guessing))
+            if not slot.dead:
+                (lefts if n else others).append(slot.left)
             proposals.append(proposal)
-        return _Plan(offers, proposals) if offers else None
+        return _Plan(offers, proposals, lefts + others) if offers else None
 
     def _verify(self, width: int) -> list[Read | None]:
         """A verify step: each slot's pending token and up to ``width`` drafts in

@@ -27,7 +27,7 @@ step), except the figures, which the decode actor reads from each step's result.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -434,18 +434,48 @@ class Gate:
         plains = [t for (b, w), t in self.times.items() if w == 1]
         return PRIOR_TOKEN_COST * (min(plains) if plains else 1.0)
 
-    def choose(self, batch: int, offers: Sequence[tuple[Drafter, int, bool]]) -> int:
+    def plain_cost(self, batch: int) -> float:
+        """Seconds for a plain step of ``batch`` rows: measured; else between the
+        measured batch sizes around it; else the nearest one's plus
+        :meth:`token_cost` per row more (or less)."""
+        known = {b: t for (b, w), t in self.times.items() if w == 1}
+        if batch in known:
+            return known[batch]
+        if not known:
+            return 1.0
+        below = max((b for b in known if b < batch), default=None)
+        above = min((b for b in known if b > batch), default=None)
+        if below is not None and above is not None:
+            share = (batch - below) / (above - below)
+            return known[below] + share * (known[above] - known[below])
+        nearest = below if below is not None else above
+        return max(0.0, known[nearest] + self.token_cost() * (batch - nearest))
+
+    def choose(
+        self,
+        batch: int,
+        offers: Sequence[tuple[Drafter, int, bool]],
+        lefts: Sequence[int] | None = None,
+    ) -> int:
         """The width (extra columns) for a step whose rows offer these drafts:
         (the row's drafter, how many tokens it proposes, whether its pending token
-        is guessed). 0: a plain step."""
+        is guessed). 0: a plain step.
+
+        ``lefts`` (None while requests wait for a slot) gives, offer by offer and
+        then for the rows that offer nothing, the tokens each row may still read:
+        with nobody waiting a kept token no longer frees a slot for someone
+        else, and is worth only the time it takes off the batch's remaining
+        work (:meth:`_worth`)."""
         self.steps += 1
         longest = max((n for _, n, _ in offers), default=0)
         if longest == 0:
             return 0
-        plain = batch / self.cost(batch, 1)
+        plain_cost = self.cost(batch, 1)
+        plain = batch / plain_cost
+        worth = self._worth(batch, len(offers), lefts, plain_cost)
         best, best_rate = 0, plain * MARGIN
         for w in range(1, longest + 1):
-            tokens = batch + sum(d.expected(min(n, w), g) for d, n, g in offers)
+            tokens = batch + worth([d.expected(min(n, w), g) for d, n, g in offers])
             rate = tokens / self.cost(batch, w + 1)
             if rate > best_rate:
                 best, best_rate = w, rate
@@ -454,3 +484,32 @@ class Gate:
             stale = min(range(1, longest + 1), key=lambda w: self.seen.get((batch, w + 1), -1))
             return stale
         return best
+
+    def _worth(
+        self, batch: int, offering: int, lefts: Sequence[int] | None, plain_cost: float
+    ) -> Callable[[list[float]], float]:
+        """What the offers' expected kept tokens are worth, in tokens of a plain
+        step (each ``plain_cost / batch`` seconds).
+
+        While requests wait for a slot every kept token is worth one: a row that
+        ends sooner hands its slot on sooner. With nobody waiting, the batch's
+        work is what it is: a row that keeps a token leaves one step earlier and
+        saves only its own share of that step (``token_cost``), unless it is one
+        of the rows that end last (the most tokens left, within MAX_DRAFT: the
+        tail). The whole batch ends a step sooner only when every tail row keeps
+        one, and that step costs a plain step of the tail's size. Without this,
+        eight rows of which a few draft would pay for wider steps that only let
+        those few finish early while the rest set the wall time."""
+        if lefts is None:
+            return sum
+        share = self.token_cost()
+        most = max(lefts)
+        tail = [i for i, n in enumerate(lefts) if n >= most - MAX_DRAFT]
+        end = max(0.0, self.plain_cost(len(tail)) - len(tail) * share)
+        scale = batch / plain_cost
+
+        def worth(kept: list[float]) -> float:
+            last = min((kept[i] if i < offering else 0.0) for i in tail)
+            return (share * sum(kept) + end * last) * scale
+
+        return worth

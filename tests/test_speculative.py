@@ -32,7 +32,7 @@ PLAIN_KV = ("llama", "qwen3")  # the golden families whose caches can be cut bac
 def forced_drafts(monkeypatch):
     """Every step with an offer drafts all it offers (the gate's choice, forced)."""
 
-    def choose(self, batch, offers):
+    def choose(self, batch, offers, lefts=None):
         self.steps += 1
         return max((n for _, n, _ in offers), default=0)
 
@@ -119,6 +119,31 @@ def test_gate_drafts_only_where_the_measured_cost_pays():
     gate.observe(8, 1, 0.150)
     assert gate.cost(8, 3) == pytest.approx(0.150 + 16 * 0.100 / 16)
     assert gate.stale(8, 1) and not gate.stale(4, 1)
+
+
+def test_gate_with_nobody_waiting_values_drafts_by_the_time_they_save():
+    gate = Gate()
+    for _ in range(3):
+        gate.observe(8, 1, 0.200)
+        gate.observe(1, 1, 0.090)
+        gate.observe(8, 2, 0.300)
+    sure = Drafter.start([1, 2, 3], None, Matches(), limit=8)
+    for _ in range(8):
+        sure.drafted(4, 4)
+    assert sure.expected(1, False) > 0.8
+    assert gate.token_cost() == pytest.approx(0.100 / 8)
+    assert gate.plain_cost(4) == pytest.approx(0.090 + 3 / 7 * 0.110)  # between 1 and 8
+    assert gate.plain_cost(9) == pytest.approx(0.200 + 0.100 / 8)  # a row's token more
+    seven = [(sure, 1, False)] * 7
+    # requests wait: seven rows' kept tokens pay for the wider step
+    assert gate.choose(8, seven) == 1
+    # nobody waits, and the row that ends last drafts nothing: the seven only
+    # leave the batch a step sooner, each saving its share of a step
+    assert gate.choose(8, seven, [100] * 7 + [120]) == 0
+    # every row is in the tail and drafts: the whole batch ends a step sooner
+    assert gate.choose(8, [(sure, 1, False)] * 8, [100] * 8) == 1
+    # one row alone: it is the tail, and a kept token is a whole step of its own
+    assert gate.choose(1, [(sure, 1, False)], [100]) == gate.choose(1, [(sure, 1, False)])
 
 
 # -- the verify step: mlx-lm's tokens --------------------------------------------------
