@@ -63,6 +63,9 @@ EXPLORE_EVERY = 64
 # A plain step's cost is measured by waiting for its forward (a pipeline bubble)
 # when it was last measured more than this many steps ago.
 REMEASURE = 32
+# With nobody waiting for a slot, the rows that end last (their kept drafts end
+# the batch sooner): those within this many tokens of the most left to read.
+TAIL_SLACK = 32
 MODEL = "model"
 DRAFT_PREFILL = 512  # tokens per chunk when a draft model catches up on a prompt
 
@@ -494,22 +497,24 @@ class Gate:
         While requests wait for a slot every kept token is worth one: a row that
         ends sooner hands its slot on sooner. With nobody waiting, the batch's
         work is what it is: a row that keeps a token leaves one step earlier and
-        saves only its own share of that step (``token_cost``), unless it is one
-        of the rows that end last (the most tokens left, within MAX_DRAFT: the
-        tail). The whole batch ends a step sooner only when every tail row keeps
-        one, and that step costs a plain step of the tail's size. Without this,
-        eight rows of which a few draft would pay for wider steps that only let
-        those few finish early while the rest set the wall time."""
+        saves only its own share of that step (``token_cost``). The batch ends a
+        step sooner only when every row of the tail keeps one (the rows that
+        would end last: the most tokens left, within TAIL_SLACK), and that step
+        costs a plain step of the tail's size; so the tail's kept tokens are
+        worth that step's cost beyond the rows' shares, by their mean (a tail
+        row that drafts nothing this step may next). Without this, eight rows
+        of which a few draft pay for wider steps that only let those few finish
+        early while the rest, drafting nothing, set the wall time."""
         if lefts is None:
             return sum
         share = self.token_cost()
         most = max(lefts)
-        tail = [i for i, n in enumerate(lefts) if n >= most - MAX_DRAFT]
+        tail = [i for i, n in enumerate(lefts) if n >= most - TAIL_SLACK]
         end = max(0.0, self.plain_cost(len(tail)) - len(tail) * share)
         scale = batch / plain_cost
 
         def worth(kept: list[float]) -> float:
-            last = min((kept[i] if i < offering else 0.0) for i in tail)
+            last = sum(kept[i] for i in tail if i < offering) / len(tail)
             return (share * sum(kept) + end * last) * scale
 
         return worth

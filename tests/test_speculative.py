@@ -139,9 +139,10 @@ def test_gate_with_nobody_waiting_values_drafts_by_the_time_they_save():
     assert gate.choose(8, seven) == 1
     # nobody waits, and the row that ends last drafts nothing: the seven only
     # leave the batch a step sooner, each saving its share of a step
-    assert gate.choose(8, seven, [100] * 7 + [120]) == 0
-    # every row is in the tail and drafts: the whole batch ends a step sooner
-    assert gate.choose(8, [(sure, 1, False)] * 8, [100] * 8) == 1
+    assert gate.choose(8, seven, [100] * 7 + [200]) == 0
+    # every row is in the tail (within TAIL_SLACK) and drafts: the whole batch
+    # ends a step sooner, and the seven are worth what they are while requests wait
+    assert gate.choose(8, seven, [100] * 7 + [120]) == 1
     # one row alone: it is the tail, and a kept token is a whole step of its own
     assert gate.choose(1, [(sure, 1, False)], [100]) == gate.choose(1, [(sure, 1, False)])
 
