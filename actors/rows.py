@@ -31,7 +31,7 @@ from .gpu import calls_begun
 from .prompt_cache import clone
 from .ranks import Mirrored, mirrored
 from .request import SamplingParams, TopLogprob
-from .speculate import Drafter, DraftModel, Gate, Matches, ModelDrafter, SharedIndex
+from .speculate import PACE_PRIOR, Drafter, DraftModel, Gate, Matches, ModelDrafter, SharedIndex
 
 
 def build_sampling(params: SamplingParams):
@@ -95,7 +95,7 @@ class _Plan:
 
     offers: list[tuple[Drafter, int, bool]]
     proposals: list[list[int]]
-    lefts: list[int]  # tokens each live row may still read: the offering rows' first
+    ends: list[float]  # each live row's steps_left: the offering rows' first
 
 
 @attrs.frozen
@@ -164,6 +164,8 @@ class Slot:
     # it joins a batch that drafts.
     stop_ids: frozenset[int] = frozenset()
     left: int = 0
+    read: int = 0  # tokens read, and steps taken, in this batch: its pace
+    steps: int = 0
     prompt: list[int] | None = attrs.field(default=None, repr=False)
     drafter: Drafter | None = None
     pending_known: bool = False  # the pending token is evaluated and in the drafter
@@ -177,7 +179,13 @@ class Slot:
     def counted(self, token: int) -> bool:
         """One more token read; True when the row ends on it."""
         self.left -= 1
+        self.read += 1
         return token in self.stop_ids or self.left <= 0
+
+    def steps_left(self) -> float:
+        """Steps until it reaches its ``max_tokens`` at its pace so far (tokens
+        read per step, from a prior of one a step over PACE_PRIOR steps)."""
+        return self.left * (self.steps + PACE_PRIOR) / (self.read + PACE_PRIOR)
 
     @classmethod
     def retired(cls) -> Slot:
@@ -581,10 +589,12 @@ class Batch:
         the gate finds drafts worth a verify step (:meth:`_verify`); ``waiting``:
         whether requests wait for a slot (the gate values drafts by it)."""
         self._settle(clean=True)
+        for slot in self.slots:
+            slot.steps += 1
         plan = self._offers() if self.drafts_fit else None
         if plan is not None and not self.spec.gate.stale(len(self.slots), 1):
-            lefts = None if waiting else plan.lefts
-            width = self.spec.gate.choose(len(self.slots), plan.offers, lefts)
+            ends = None if waiting else plan.ends
+            width = self.spec.gate.choose(len(self.slots), plan.offers, ends)
             if width:
                 return self._verify(width)
             for slot, proposal in zip(self.slots, plan.proposals, strict=True):
@@ -637,7 +647,7 @@ class Batch:
     def _offers(self) -> _Plan | None:
         """What each slot could draft now (from what its host side knows: its
         pending token only when a verify step evaluated it), for the gate."""
-        offers, proposals, lefts, others = [], [], [], []
+        offers, proposals, ends, others = [], [], [], []
         for slot in self.slots:
             drafter = slot.drafter
             proposal: list[int] = []
@@ -647,9 +657,9 @@ class Batch:
                 if n:
                     offers.append((drafter, n, guessing))
             if not slot.dead:
-                (lefts if n else others).append(slot.left)
+                (ends if n else others).append(slot.steps_left())
             proposals.append(proposal)
-        return _Plan(offers, proposals, lefts + others) if offers else None
+        return _Plan(offers, proposals, ends + others) if offers else None
 
     def _verify(self, width: int) -> list[Read | None]:
         """A verify step: each slot's pending token and up to ``width`` drafts in

@@ -64,8 +64,11 @@ EXPLORE_EVERY = 64
 # when it was last measured more than this many steps ago.
 REMEASURE = 32
 # With nobody waiting for a slot, the rows that end last (their kept drafts end
-# the batch sooner): those within this many tokens of the most left to read.
-TAIL_SLACK = 32
+# the batch sooner): those with at least this share of the most steps left. A
+# row's steps left are its tokens left to max_tokens over its pace so far
+# (tokens read per step, from a prior of one a step over PACE_PRIOR steps).
+TAIL_SHARE = 0.5
+PACE_PRIOR = 8
 MODEL = "model"
 DRAFT_PREFILL = 512  # tokens per chunk when a draft model catches up on a prompt
 
@@ -458,24 +461,24 @@ class Gate:
         self,
         batch: int,
         offers: Sequence[tuple[Drafter, int, bool]],
-        lefts: Sequence[int] | None = None,
+        ends: Sequence[float] | None = None,
     ) -> int:
         """The width (extra columns) for a step whose rows offer these drafts:
         (the row's drafter, how many tokens it proposes, whether its pending token
         is guessed). 0: a plain step.
 
-        ``lefts`` (None while requests wait for a slot) gives, offer by offer and
-        then for the rows that offer nothing, the tokens each row may still read:
-        with nobody waiting a kept token no longer frees a slot for someone
-        else, and is worth only the time it takes off the batch's remaining
-        work (:meth:`_worth`)."""
+        ``ends`` (None while requests wait for a slot) gives, offer by offer and
+        then for the rows that offer nothing, each row's steps left (``Slot.
+        steps_left``): with nobody waiting a kept token no longer frees a slot
+        for someone else, and is worth only the time it takes off the batch's
+        remaining work (:meth:`_worth`)."""
         self.steps += 1
         longest = max((n for _, n, _ in offers), default=0)
         if longest == 0:
             return 0
         plain_cost = self.cost(batch, 1)
         plain = batch / plain_cost
-        worth = self._worth(batch, len(offers), lefts, plain_cost)
+        worth = self._worth(batch, len(offers), ends, plain_cost)
         best, best_rate = 0, plain * MARGIN
         for w in range(1, longest + 1):
             tokens = batch + worth([d.expected(min(n, w), g) for d, n, g in offers])
@@ -489,7 +492,7 @@ class Gate:
         return best
 
     def _worth(
-        self, batch: int, offering: int, lefts: Sequence[int] | None, plain_cost: float
+        self, batch: int, offering: int, ends: Sequence[float] | None, plain_cost: float
     ) -> Callable[[list[float]], float]:
         """What the offers' expected kept tokens are worth, in tokens of a plain
         step (each ``plain_cost / batch`` seconds).
@@ -499,17 +502,17 @@ class Gate:
         work is what it is: a row that keeps a token leaves one step earlier and
         saves only its own share of that step (``token_cost``). The batch ends a
         step sooner only when every row of the tail keeps one (the rows that
-        would end last: the most tokens left, within TAIL_SLACK), and that step
+        would end last: the most steps left, within TAIL_SHARE), and that step
         costs a plain step of the tail's size; so the tail's kept tokens are
         worth that step's cost beyond the rows' shares, by their mean (a tail
         row that drafts nothing this step may next). Without this, eight rows
         of which a few draft pay for wider steps that only let those few finish
         early while the rest, drafting nothing, set the wall time."""
-        if lefts is None:
+        if ends is None:
             return sum
         share = self.token_cost()
-        most = max(lefts)
-        tail = [i for i, n in enumerate(lefts) if n >= most - TAIL_SLACK]
+        most = max(ends)
+        tail = [i for i, n in enumerate(ends) if n >= TAIL_SHARE * most]
         end = max(0.0, self.plain_cost(len(tail)) - len(tail) * share)
         scale = batch / plain_cost
 

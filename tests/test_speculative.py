@@ -32,7 +32,7 @@ PLAIN_KV = ("llama", "qwen3")  # the golden families whose caches can be cut bac
 def forced_drafts(monkeypatch):
     """Every step with an offer drafts all it offers (the gate's choice, forced)."""
 
-    def choose(self, batch, offers, lefts=None):
+    def choose(self, batch, offers, ends=None):
         self.steps += 1
         return max((n for _, n, _ in offers), default=0)
 
@@ -137,12 +137,14 @@ def test_gate_with_nobody_waiting_values_drafts_by_the_time_they_save():
     seven = [(sure, 1, False)] * 7
     # requests wait: seven rows' kept tokens pay for the wider step
     assert gate.choose(8, seven) == 1
-    # nobody waits, and the row that ends last drafts nothing: the seven only
-    # leave the batch a step sooner, each saving its share of a step
-    assert gate.choose(8, seven, [100] * 7 + [200]) == 0
-    # every row is in the tail (within TAIL_SLACK) and drafts: the whole batch
-    # ends a step sooner, and the seven are worth what they are while requests wait
-    assert gate.choose(8, seven, [100] * 7 + [120]) == 1
+    # nobody waits, and the row that ends last (three times the steps left of
+    # the rest) drafts nothing: the seven only leave the batch a step sooner,
+    # each saving its share of a step
+    assert gate.choose(8, seven, [100] * 7 + [300]) == 0
+    # every row is in the tail (at least half the most steps left): the whole
+    # batch ends a step sooner when they keep their drafts, and the seven are
+    # worth what they are while requests wait
+    assert gate.choose(8, seven, [100] * 7 + [180]) == 1
     # one row alone: it is the tail, and a kept token is a whole step of its own
     assert gate.choose(1, [(sure, 1, False)], [100]) == gate.choose(1, [(sure, 1, False)])
 
