@@ -261,7 +261,7 @@ class PrefillActor:
                         return
                 await self.to_decode.send(message)  # already handed over (or gone)
             case Pause() | Backlog():
-                await self.to_decode.send(message)  # decode's: only a decoding row pauses
+                await self.to_decode.send(message)  # for decode (only a decoding row pauses)
             case _:
                 raise TypeError(f"prefill got an unexpected message: {message!r}")
 
