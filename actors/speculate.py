@@ -373,6 +373,23 @@ class ModelDrafter(Drafter):
         self.guess = []
 
 
+def _along(
+    known: dict[int, float], x: int, slope: Callable[[], float], floor: float = 0.0
+) -> float:
+    """The measured figure at ``x``; else the line between the measured points
+    around it; else the nearest one's plus ``slope()`` per unit beyond it (at
+    least ``floor``)."""
+    if x in known:
+        return known[x]
+    below = max((k for k in known if k < x), default=None)
+    above = min((k for k in known if k > x), default=None)
+    if below is not None and above is not None:
+        share = (x - below) / (above - below)
+        return known[below] + share * (known[above] - known[below])
+    nearest = below if below is not None else above
+    return max(floor, known[nearest] + slope() * (x - nearest))
+
+
 @attrs.define(eq=False)
 class Gate:
     """The measured cost of a decode step by batch size and width (tokens fed
@@ -409,18 +426,9 @@ class Gate:
         each token more that the step feeds (``batch`` per column). With nothing
         measured at this batch size, in units of a plain step."""
         known = {w: t for (b, w), t in self.times.items() if b == batch}
-        if width in known:
-            return known[width]
-        below = max((w for w in known if w < width), default=None)
-        above = min((w for w in known if w > width), default=None)
-        if below is not None and above is not None:  # between two measured widths
-            share = (width - below) / (above - below)
-            return known[below] + share * (known[above] - known[below])
         if not known:  # in units of a plain step
             return 1.0 + PRIOR_TOKEN_COST * batch * (width - 1)
-        nearest = below if below is not None else above
-        step = self.token_cost() * batch
-        return max(known.get(1, 0.0), known[nearest] + step * (width - nearest))
+        return _along(known, width, lambda: self.token_cost() * batch, known.get(1, 0.0))
 
     def token_cost(self) -> float:
         """Seconds one more token fed adds to a step, whatever the batch size:
@@ -445,17 +453,9 @@ class Gate:
         measured batch sizes around it; else the nearest one's plus
         :meth:`token_cost` per row more (or less)."""
         known = {b: t for (b, w), t in self.times.items() if w == 1}
-        if batch in known:
-            return known[batch]
         if not known:
             return 1.0
-        below = max((b for b in known if b < batch), default=None)
-        above = min((b for b in known if b > batch), default=None)
-        if below is not None and above is not None:
-            share = (batch - below) / (above - below)
-            return known[below] + share * (known[above] - known[below])
-        nearest = below if below is not None else above
-        return max(0.0, known[nearest] + self.token_cost() * (batch - nearest))
+        return _along(known, batch, self.token_cost)
 
     def choose(
         self,

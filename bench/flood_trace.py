@@ -27,6 +27,7 @@ B_ROW = 1400  # a row this long (KV tokens) is B's: A's rows stay near 800
 def serve_traced(trace: str, argv: list[str]) -> int:
     """``serve`` with each GPU call's (start, seconds, name, detail) kept, written
     to ``trace`` on SIGUSR1."""
+    import outcome
     from mlx_nursery.actors import gpu
     from mlx_nursery.server.cli import main
 
@@ -42,7 +43,7 @@ def serve_traced(trace: str, argv: list[str]) -> int:
             detail["lengths"] = [cache._idx - p for p in cache.left_padding.tolist()]
         elif name == "_advance" and args[0].caches:
             detail["lengths"] = [args[0].caches[0].offset]
-        elif name == "prefill_turn" and not result.__class__.__name__.startswith("Error"):
+        elif name == "prefill_turn" and isinstance(result, outcome.Value):
             detail["tokens"] = sum(done.tokens for done in result.value)
         events.append((t0, time.perf_counter() - t0, name, detail))
         return result
