@@ -314,8 +314,9 @@ async def open_engine(
     sharded = group is not None and group.size() > 1
     try:
         loaded, tokenizer, info = await gpu.call_here(
-            load_model, model, settings.dtype, group, settings.ragged_attention
-        )
+            load_model, model, settings.dtype, group, settings.ragged_attention,
+            settings.cpu_softmax,
+        )  # fmt: skip
         if sharded and group.rank() != 0:
             await gpu.call_here(follow, loaded, group)
             yield None
@@ -331,7 +332,7 @@ async def open_engine(
         if settings.draft_model is not None and settings.speculative:
             draft, drafts = await gpu.call_here(
                 load_draft, settings.draft_model, settings.dtype, tokenizer, info,
-                settings.ragged_attention,
+                settings.ragged_attention, settings.cpu_softmax,
             )  # fmt: skip
             # a row's budget holds its draft KV too (whether or not it drafts)
             info = attrs.evolve(

@@ -33,7 +33,11 @@ class ModelInfo:
 
 
 def load_model(
-    model: Any, dtype: str | None, group: Any = None, ragged_attention: bool = True
+    model: Any,
+    dtype: str | None,
+    group: Any = None,
+    ragged_attention: bool = True,
+    cpu_softmax: bool = True,
 ) -> tuple[Any, Any, ModelInfo]:
     """Load (a directory, hub id or GGUF file; or take a ``(model, tokenizer)``
     pair), cast (see :func:`cast`), and inspect the model's caches.
@@ -59,7 +63,7 @@ def load_model(
     else:
         model, tokenizer = model
     cast(model, dtype)
-    (ragged.install if ragged_attention else ragged.uninstall)(model)
+    ragged.install(model, rows=ragged_attention, exact_softmax=cpu_softmax)
     if sharded:
         model = SharedInputs(model, group)
     caches = make_prompt_cache(model)
@@ -83,7 +87,12 @@ def load_model(
 
 
 def load_draft(
-    path: Any, dtype: str | None, tokenizer: Any, info: ModelInfo, ragged_attention: bool = True
+    path: Any,
+    dtype: str | None,
+    tokenizer: Any,
+    info: ModelInfo,
+    ragged_attention: bool = True,
+    cpu_softmax: bool = True,
 ) -> tuple[DraftModel, ModelInfo]:
     """Load a draft model for ``--draft-model`` as the target was loaded, and
     check that it can draft for it: the same vocabulary (token for token) and
@@ -91,7 +100,9 @@ def load_draft(
     mismatch is an :class:`InvalidRequest` naming ``draft_model``."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    model, draft_tokenizer, draft_info = load_model(path, dtype, None, ragged_attention)
+    model, draft_tokenizer, draft_info = load_model(
+        path, dtype, None, ragged_attention, cpu_softmax
+    )
     ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if ours != theirs:
         differ = len(set(ours.items()) ^ set(theirs.items()))

@@ -15,12 +15,19 @@ mask. That is the computation a lone row does, so the result is a lone row's
 (to float rounding; the masked padded form differs from it alike). Prefill
 chunks, rotating and quantized caches, and batches with little padding take
 the original path.
+
+The same wrapper swaps in :func:`cpu_softmax.attention` (mlx's own CPU attention,
+its softmax vectorized to the same bits) for float32 attention on the CPU, in
+the row-by-row path and the original one alike: ``install(model, rows=...,
+exact_softmax=...)`` chooses either or both.
 """
 
 from __future__ import annotations
 
 import sys
 from typing import Any
+
+from . import cpu_softmax
 
 WASTE = 0.25  # the share of padded keys above which rows attend one by one
 # The model modules whose decode mask is the padding and nothing else (a sliding
@@ -43,15 +50,23 @@ def _namespaces(model: Any) -> list[Any]:
     return list(found.values())
 
 
-def install(model: Any) -> int:
+def install(model: Any, rows: bool = True, exact_softmax: bool = True) -> int:
     """Wrap the attention of the mlx-lm modules ``model`` is built from (for the
-    whole process); returns how many were wrapped now (0: already, or none)."""
+    whole process): ``rows``, ragged attention in decode steps; ``exact_softmax``,
+    the vectorized CPU softmax. Returns how many were wrapped now (0: already
+    so, or none). Neither: mlx-lm's own attention."""
+    if not (rows or exact_softmax):
+        uninstall(model)
+        return 0
     wrapped = 0
     for namespace in _namespaces(model):
-        original = getattr(namespace, "scaled_dot_product_attention", None)
-        if original is None or getattr(original, _MARKER, False):
+        current = getattr(namespace, "scaled_dot_product_attention", None)
+        if current is None:
             continue
-        namespace.scaled_dot_product_attention = ragged(original)
+        if getattr(current, _MARKER, None) == (rows, exact_softmax):
+            continue
+        original = getattr(current, "__wrapped__", current)
+        namespace.scaled_dot_product_attention = ragged(original, rows, exact_softmax)
         wrapped += 1
     return wrapped
 
@@ -60,28 +75,36 @@ def uninstall(model: Any) -> None:
     """mlx-lm's own attention back in the modules ``model`` is built from."""
     for namespace in _namespaces(model):
         current = getattr(namespace, "scaled_dot_product_attention", None)
-        if getattr(current, _MARKER, False):
+        if getattr(current, _MARKER, None):
             namespace.scaled_dot_product_attention = current.__wrapped__
 
 
-def ragged(original: Any) -> Any:
+def ragged(original: Any, rows: bool = True, exact_softmax: bool = True) -> Any:
+    import mlx.core as mx
+
+    def sdpa(queries, keys, values, scale, mask=None):
+        if exact_softmax:
+            return cpu_softmax.attention(queries, keys, values, scale, mask)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
     def attention(queries, keys, values, cache, scale, mask, sinks=None, **extra):
-        pads = padding(cache, queries, keys)
-        if pads is None or sinks is not None or extra:
+        if sinks is not None or extra or hasattr(cache, "bits"):  # quantized: mlx-lm's path
             return original(queries, keys, values, cache, scale, mask, sinks=sinks, **extra)
-        import mlx.core as mx
+        pads = padding(cache, queries, keys) if rows else None
+        if pads is None:
+            return sdpa(queries, keys, values, scale, mask)
 
         global calls
         calls += 1
-        rows = [
-            mx.fast.scaled_dot_product_attention(
-                queries[i : i + 1], keys[i : i + 1, :, p:], values[i : i + 1, :, p:], scale=scale
-            )
-            for i, p in enumerate(pads)
-        ]
-        return mx.concatenate(rows, axis=0)
+        return mx.concatenate(
+            [
+                sdpa(queries[i : i + 1], keys[i : i + 1, :, p:], values[i : i + 1, :, p:], scale)
+                for i, p in enumerate(pads)
+            ],
+            axis=0,
+        )
 
-    setattr(attention, _MARKER, True)
+    setattr(attention, _MARKER, (rows, exact_softmax))
     attention.__wrapped__ = original
     return attention
 

@@ -71,7 +71,9 @@ def test_the_flag_turns_it_off_for_the_process(capsys):
 
     from conftest import model_path
 
-    load_model(str(model_path("llama")), None, ragged_attention=False)
+    load_model(str(model_path("llama")), None, ragged_attention=False, cpu_softmax=False)
     assert not hasattr(llama_module.scaled_dot_product_attention, "__wrapped__")
+    load_model(str(model_path("llama")), None, ragged_attention=False)  # the softmax alone
+    assert llama_module.scaled_dot_product_attention._mlx_nursery_ragged == (False, True)
     load_model(str(model_path("llama")), None)
     assert llama_module.scaled_dot_product_attention.__wrapped__ is not None

@@ -1,0 +1,230 @@
+"""mlx's CPU attention with its softmax computed many lanes wide, to the same bits.
+
+On Linux x86-64, mlx's CPU kernels run one lane at a time, and its ``exp`` is a
+polynomial whose fused multiply-adds are libm calls: about 20 ns an element.
+In a CPU attention that is most of the time over a long chunk (a 900-token
+prefill chunk of the 31M model: 180 of 227 ms a layer) and a sixth of a decode
+step at batch 8 (SmolLM2). ``cpu_softmax.c`` does the same arithmetic operation
+for operation (``exp`` checked equal to mlx's over all 2^32 float32 inputs by
+``tests/test_cpu_softmax.py``'s slow check, the softmax's left-to-right sum
+kept), vectorized by the compiler, so the numbers are mlx's bit for bit and
+parity with mlx-lm is untouched.
+
+:func:`attention` is the composition mlx's ``scaled_dot_product_attention``
+falls back to on the CPU (scale, grouped-query reshape, scores, mask, softmax,
+values), with that softmax swapped in. The scores are evaluated first and the
+softmax runs outside the graph (through numpy views), so each attention call
+costs one synchronisation; worth it above a few thousand scores, the rest take
+mlx's own path.
+
+The library is compiled on first use with the system C compiler into
+``~/.cache/mlx-nursery/native`` (``-march=native``; the cache key holds the
+CPU's flags) and checked against mlx on a sample before it is used. Without a
+compiler, on another platform, or if the check fails, :func:`available` is
+False and attention is mlx's own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_softmax.c")
+# -ffp-contract=off: no multiply and add fused that mlx keeps apart. The other two
+# only drop errno and trap semantics (they let floorf vectorize; no value changes).
+FLAGS = (
+    "-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
+    "-fPIC", "-shared",
+)  # fmt: skip
+MIN_SCORES = 4096  # below this many scores mlx's own softmax is as quick as a sync
+THREADS = max(1, min(4, os.cpu_count() or 1))
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MLX_NURSERY_NATIVE_DIR", Path.home() / ".cache/mlx-nursery/native"))
+
+
+def _cpu_key() -> str:
+    """The CPU's model and flags (a library built with -march=native is for it only)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build() -> Path | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler: CPU attention keeps mlx's own softmax")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_key().encode()])
+    ).hexdigest()[:16]
+    target = cache_dir() / f"cpu_softmax-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm", "-lpthread"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        if result.returncode != 0:
+            log.warning("building %s failed (%s): CPU attention keeps mlx's own softmax",
+                        SOURCE.name, result.stderr.strip()[-300:])  # fmt: skip
+            return None
+        os.replace(built, target)  # atomic: a concurrent builder finds a whole file
+    return target
+
+
+def _agrees(lib: ctypes.CDLL) -> bool:
+    """The library's exp and softmax give mlx's bits on a sample that covers the
+    edges (masked -inf and float32-min scores, NaN, overflow, rows of 1)."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    edges = [0.0, -0.0, 88.0, -88.0, 88.5, -88.5, -87.9, 1e30, -1e30, np.inf, -np.inf, np.nan]
+    edges += [0.5 / 1.442695, -0.5 / 1.442695, 3.4e38, -3.4e38]
+    x = np.concatenate([np.array(edges, np.float32), rng.normal(0, 30, 200_000).astype(np.float32)])
+    out = np.empty_like(x)
+    lib.exp_rows(x.ctypes.data, out.ctypes.data, x.size)
+    if not _same(out, np.asarray(mx.exp(mx.array(x)))):
+        return False
+    for rows, m in ((7, 1), (33, 601), (4, 4099)):
+        s = (rng.normal(0, 8, (rows, m))).astype(np.float32)
+        s[:, : m // 3] = np.finfo(np.float32).min
+        s[0, -1] = -np.inf
+        if rows > 5:
+            s[5, :] = -np.inf
+        for threads in (1, THREADS):
+            out = np.empty_like(s)
+            lib.softmax_rows(s.ctypes.data, out.ctypes.data, rows, m, threads)
+            if not _same(out, np.asarray(mx.softmax(mx.array(s), axis=-1, precise=True))):
+                return False
+    return True
+
+
+def _same(a: Any, b: Any) -> bool:
+    import numpy as np
+
+    return bool(np.all((a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))))
+
+
+def library() -> ctypes.CDLL | None:
+    """The built and checked library, or None (then mlx's own path is used)."""
+    global _library, _tried
+    with _lock:
+        if _tried:
+            return _library
+        _tried = True
+        if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+            return None  # elsewhere mlx's CPU kernels run several lanes, summing otherwise
+        try:
+            path = _build()
+            if path is None:
+                return None
+            lib = ctypes.CDLL(str(path))
+            p, n = ctypes.c_void_p, ctypes.c_long
+            lib.exp_rows.argtypes, lib.exp_rows.restype = [p, p, n], None
+            lib.softmax_rows.argtypes = [p, p, n, n, ctypes.c_int]
+            lib.softmax_rows.restype = None
+            if not _agrees(lib):
+                log.warning("%s disagrees with mlx's softmax: not used", path.name)
+                return None
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("CPU softmax unavailable (%s): mlx's own is used", exc)
+            return None
+        _library = lib
+        return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def softmax(scores: Any) -> Any:
+    """``mx.softmax(scores, axis=-1, precise=True)`` for a float32 array on the
+    CPU, the same bits; evaluates ``scores`` (one synchronisation)."""
+    import mlx.core as mx
+    import numpy as np
+
+    lib = library()
+    if lib is None or scores.size < MIN_SCORES:
+        return mx.softmax(scores, axis=-1, precise=True)
+    mx.eval(scores)
+    values = np.ascontiguousarray(np.asarray(scores))  # a view when already contiguous
+    out = np.empty_like(values)
+    m = values.shape[-1]
+    lib.softmax_rows(values.ctypes.data, out.ctypes.data, values.size // m, m, THREADS)
+    return mx.array(out)
+
+
+def attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any = None) -> Any:
+    """mlx's CPU ``scaled_dot_product_attention`` (its fallback composition, op for
+    op) with :func:`softmax`; the same bits. Other dtypes, devices and sinks
+    take ``mx.fast.scaled_dot_product_attention``."""
+    import mlx.core as mx
+
+    fast = mx.fast.scaled_dot_product_attention
+    if (
+        not usable(queries, keys, values)
+        or queries.shape[2] * keys.shape[2] * queries.shape[0] * queries.shape[1] < MIN_SCORES
+    ):
+        return fast(queries, keys, values, scale=scale, mask=mask)
+    b, heads, length, dim = queries.shape
+    kv_heads = keys.shape[1]
+    repeats = heads // kv_heads
+    q = mx.array(scale, queries.dtype) * queries
+    k, v = keys, values
+    if repeats > 1:
+        q = q.reshape(b, kv_heads, repeats, length, dim)
+        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
+    scores = q @ k.swapaxes(-1, -2)
+    if isinstance(mask, str):  # "causal": the last queries against every key
+        offset = k.shape[-2] - length
+        mask = mx.arange(offset, length + offset)[:, None] >= mx.arange(0, k.shape[-2])[None]
+    elif mask is not None and repeats > 1 and mask.ndim >= 3:
+        mask = (
+            mx.expand_dims(mask, -3)
+            if mask.shape[-3] == 1
+            else mask.reshape(*mask.shape[:-3], kv_heads, repeats, *mask.shape[-2:])
+        )
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask
+    out = softmax(scores) @ v
+    return out.reshape(b, heads, length, dim) if repeats > 1 else out
+
+
+def usable(queries: Any, keys: Any, values: Any) -> bool:
+    """float32 throughout, on the CPU, with the library at hand."""
+    import mlx.core as mx
+
+    return (
+        queries.dtype == keys.dtype == values.dtype == mx.float32
+        and mx.default_device() == mx.cpu
+        and available()
+    )

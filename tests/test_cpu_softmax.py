@@ -1,0 +1,135 @@
+"""The vectorized CPU softmax (``actors/cpu_softmax.py``): mlx's bits, always.
+
+The library must give exactly the floats mlx computes (its ``exp``, its
+softmax's left-to-right sum, its attention's composition around it), so that
+parity with mlx-lm holds with it on; the goldens and parity suites run with it
+on (the default). Here: the pieces against mlx directly, on the shapes and
+masks models use, and the switch."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_nursery.actors import cpu_softmax, ragged
+
+pytestmark = pytest.mark.skipif(
+    not cpu_softmax.available(), reason="no C compiler, or not Linux x86-64: mlx's own softmax"
+)
+
+
+def bits(a) -> np.ndarray:
+    return np.asarray(a).view(np.uint32)
+
+
+def test_exp_is_mlx_exp_on_every_exponent_and_the_edges():
+    """Every float32 exponent (all 256, both signs) with random mantissas, plus
+    the values where mlx's exp switches branch (±88, NaN, ±inf, the rounding
+    ties of x·log2(e) + 0.5). The check over all 2^32 inputs takes minutes; it
+    was run when the library was written and agreed everywhere."""
+    rng = np.random.default_rng(0)
+    mantissas = rng.integers(0, 1 << 23, (512, 2048), dtype=np.uint32)
+    exponents = (np.arange(512, dtype=np.uint32) << 23)[:, None]
+    x = (exponents | mantissas).ravel().view(np.float32)
+    ties = (np.arange(-130, 130, dtype=np.float32) + 0.5) / np.float32(1.442695)
+    near = np.concatenate([np.nextafter(ties, np.inf), ties, np.nextafter(ties, -np.inf)])
+    edges = np.array([88.0, -88.0, np.inf, -np.inf, np.nan, 0.0, -0.0], np.float32)
+    x = np.concatenate([x, near.astype(np.float32), edges])
+    out = np.empty_like(x)
+    cpu_softmax.library().exp_rows(x.ctypes.data, out.ctypes.data, x.size)
+    want = np.asarray(mx.exp(mx.array(x)))
+    assert np.all((bits(out) == bits(want)) | (np.isnan(out) & np.isnan(want)))
+
+
+@pytest.mark.parametrize("shape", [(3, 1), (9, 601), (2, 8, 17, 4099), (1, 8, 900, 900)])
+def test_softmax_is_mlx_softmax(shape):
+    rng = np.random.default_rng(len(shape))
+    scores = rng.normal(0, 10, shape).astype(np.float32)
+    scores[..., : shape[-1] // 4] = np.finfo(np.float32).min  # masked the way mlx masks
+    scores.reshape(-1, shape[-1])[0, -1] = -np.inf
+    s = mx.array(scores)
+    got = cpu_softmax.softmax(s)
+    assert np.array_equal(bits(got), bits(mx.softmax(s, axis=-1, precise=True)))
+
+
+CASES = [
+    # (batch, heads, kv heads, queries, keys, mask): a decode step, a verify step,
+    # prefill chunks (from scratch and after a cached prefix), the masks mlx-lm builds
+    (8, 9, 3, 1, 601, None),
+    (8, 9, 3, 3, 603, "causal"),
+    (1, 8, 8, 300, 300, "causal"),
+    (1, 9, 3, 110, 900, "causal"),
+    (4, 9, 3, 2, 300, "bool"),
+    (4, 4, 2, 2, 300, "additive"),
+    (2, 8, 8, 5, 700, "bool 2-d"),
+    (2, 8, 2, 5, 700, "bool per head"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+def test_attention_is_mlx_attention(case):
+    b, heads, kv_heads, length, keys, kind = case
+    rng = np.random.default_rng(7)
+
+    def normal(*shape):
+        return mx.array(rng.normal(0, 1, shape).astype(np.float32))
+
+    q = normal(b, heads, length, 64)
+    k, v = normal(b, kv_heads, keys, 64), normal(b, kv_heads, keys, 64)
+    mask = {
+        None: None,
+        "causal": "causal",
+        "bool": mx.array(rng.random((b, 1, length, keys)) > 0.3),
+        "additive": normal(b, 1, length, keys),
+        "bool 2-d": mx.array(rng.random((length, keys)) > 0.3),
+        "bool per head": mx.array(rng.random((b, heads, length, keys)) > 0.3),
+    }[kind]
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    got = cpu_softmax.attention(q, k, v, 0.125, mask)
+    assert got.shape == want.shape
+    assert np.array_equal(bits(got), bits(want))
+
+
+def test_other_dtypes_and_small_calls_take_mlx_path(monkeypatch):
+    """float16 attention and calls below ``MIN_SCORES`` never reach the library."""
+    monkeypatch.setattr(cpu_softmax, "softmax", lambda s: pytest.fail("used the library"))
+    q = mx.zeros((1, 2, 1, 16), mx.float16)
+    cpu_softmax.attention(q, q, q, 0.25)
+    small = mx.zeros((1, 2, 4, 16))
+    cpu_softmax.attention(small, small, small, 0.25, "causal")
+
+
+def test_the_flag_parses():
+    from mlx_nursery.server.cli import build_parser, settings_from
+
+    args = build_parser().parse_args(["serve", "--model", "x", "--cpu-softmax", "off"])
+    assert settings_from(args).engine.cpu_softmax is False
+    assert settings_from(build_parser().parse_args(["serve", "--model", "x"])).engine.cpu_softmax
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
+def test_a_model_generates_the_same_bits_through_the_library(family, monkeypatch):
+    """mlx-lm's own generation, every attention call (prefill and decode) through
+    the library, against mlx's attention: the same tokens and logprobs, bit for bit."""
+    from conftest import loaded
+    from mlx_lm import stream_generate
+
+    model, tokenizer = loaded(family)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 200, 90)]
+
+    def run() -> list:
+        return [(r.token, bits(r.logprobs).tobytes())
+                for r in stream_generate(model, tokenizer, prompt, max_tokens=16)]  # fmt: skip
+
+    monkeypatch.setattr(cpu_softmax, "MIN_SCORES", 0)
+    try:
+        ragged.install(model, rows=False, exact_softmax=False)
+        want = run()
+        used = []
+        real = cpu_softmax.softmax
+        monkeypatch.setattr(cpu_softmax, "softmax", lambda s: used.append(1) or real(s))
+        ragged.install(model, rows=False, exact_softmax=True)
+        assert run() == want
+        assert used, "the library was not reached"
+    finally:
+        ragged.install(model)
