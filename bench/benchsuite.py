@@ -1158,11 +1158,12 @@ SPEC_TEXTS: list[str] = []
 def speculative(
     models: list[tuple[str, str]], loads: tuple = SPEC_LOADS, rounds: int = 1
 ) -> None:
-    """The edit workload and natural chat at 1 and 8 clients: ours (speculation
-    on, the default), ours with ``--speculative off``, and ``mlx_lm.server``, one
-    server alive at a time. With ``rounds`` above 1 the three take turns that
-    many times (this VM drifts by up to 20% over minutes; taking turns spreads
-    the drift over all three) and each figure is the median round's. The whole
+    """The edit workload and natural chat at 1 and 8 clients: ours (the
+    defaults), ours with ``--speculative off``, ours with ``--cpu-softmax off``,
+    and ``mlx_lm.server``, one server alive at a time. With ``rounds`` above 1
+    the servers take turns that many times (this VM drifts by up to 20% over
+    minutes; taking turns spreads the drift over all) and each figure is the
+    median round's. The whole
     set of loads writes the bench:speculative section; a subset writes
     bench:speculative-rounds."""
     rows = []
@@ -1175,6 +1176,7 @@ def speculative(
                 free_port(),
             ),
             "ours, speculation off": both_servers(model, "--speculative", "off")[0],
+            "ours, mlx's softmax": both_servers(model, "--cpu-softmax", "off")[0],
             "ours": both_servers(model)[0],
         }  # fmt: skip
         runs: dict[str, dict[tuple, list[dict]]] = {name: {} for name in sides}
@@ -1198,6 +1200,7 @@ def speculative(
             same = sum(a == b for a, b in zip(got["ours"][key]["texts"], base[key]["texts"],
                                               strict=True))  # fmt: skip
             ours, off = got["ours"][key], got["ours, speculation off"][key]
+            slow = got["ours, mlx's softmax"][key]
             spread = ""
             if rounds > 1:
                 spread = " | " + ", ".join(
@@ -1207,6 +1210,7 @@ def speculative(
             rows.append(
                 f"| {label} | {kind} | {clients} | {base[key]['tps']:.1f} | "
                 f"{off['tps']:.1f} ({off['tps'] / base[key]['tps']:.2f}x) | "
+                f"{slow['tps']:.1f} ({slow['tps'] / base[key]['tps']:.2f}x) | "
                 f"{ours['tps']:.1f} ({ours['tps'] / base[key]['tps']:.2f}x) | "
                 f"{ours['tokens_per_step'] or 1:.2f} | {ours['kept']} / {ours['drafted']} | "
                 f"{same} / {len(base[key]['texts'])}{spread} |"
@@ -1214,9 +1218,9 @@ def speculative(
         if ("edit", 1) in got["mlx_lm.server"]:
             SPEC_TEXTS[:] = base[("edit", 1)]["texts"]
             rows.append(f"| {label} | edit answers' 3-grams found in their prompt | "
-                        f"{100 * _copied_share(model):.0f}% | | | | | | |")  # fmt: skip
+                        f"{100 * _copied_share(model):.0f}% | | | | | | | |")  # fmt: skip
     rounds_note = (
-        f" {rounds} rounds, the three servers taking turns; each figure is the median "
+        f" {rounds} rounds, the servers taking turns; each figure is the median "
         "round's, and the last column has each round's ratio of ours to mlx_lm.server."
         if rounds > 1 else ""
     )
@@ -1229,10 +1233,10 @@ def speculative(
         "over the load's wall time, ratio to mlx_lm.server. Same text: answers identical "
         f"to mlx_lm.server's.{rounds_note}",
         "",
-        "| model | load | clients | mlx_lm.server tok/s | ours, speculation off | ours "
-        "(speculation on) | tokens per step (row) | drafts kept / drafted | same text |"
-        + (" rounds |" if rounds > 1 else ""),
-        "| --- " * 9 + "|" + (" --- |" if rounds > 1 else ""),
+        "| model | load | clients | mlx_lm.server tok/s | ours, speculation off | ours, "
+        "mlx's softmax (`--cpu-softmax off`) | ours (defaults) | tokens per step (row) | "
+        "drafts kept / drafted | same text |" + (" rounds |" if rounds > 1 else ""),
+        "| --- " * 10 + "|" + (" --- |" if rounds > 1 else ""),
         *rows,
     ])  # fmt: skip
     whole = set(loads) == set(SPEC_LOADS)
