@@ -3,19 +3,23 @@
 On Linux x86-64, mlx's CPU kernels run one lane at a time, and its ``exp`` is a
 polynomial whose fused multiply-adds are libm calls: about 20 ns an element.
 In a CPU attention that is most of the time over a long chunk (a 900-token
-prefill chunk of the 31M model: 180 of 227 ms a layer) and a sixth of a decode
-step at batch 8 (SmolLM2). ``cpu_softmax.c`` does the same arithmetic operation
-for operation (``exp`` checked equal to mlx's over all 2^32 float32 inputs by
-``tests/test_cpu_softmax.py``'s slow check, the softmax's left-to-right sum
-kept), vectorized by the compiler, so the numbers are mlx's bit for bit and
+prefill chunk of the 31M model: 180 of 227 ms a layer). ``cpu_softmax.c`` does
+the same arithmetic operation for operation (its ``exp`` was checked equal to
+mlx's on all 2^32 float32 inputs; ``tests/test_cpu_softmax.py`` checks every
+exponent and the branch edges), keeps the softmax's left-to-right sum, and is
+vectorized by the compiler, so the numbers are mlx's bit for bit and
 parity with mlx-lm is untouched.
 
 :func:`attention` is the composition mlx's ``scaled_dot_product_attention``
 falls back to on the CPU (scale, grouped-query reshape, scores, mask, softmax,
 values), with that softmax swapped in. The scores are evaluated first and the
 softmax runs outside the graph (through numpy views), so each attention call
-costs one synchronisation; worth it above a few thousand scores, the rest take
-mlx's own path.
+costs one synchronisation, and the step can no longer be built while the one
+before it computes. That pays for chunks of many queries (a prefill of 900
+tokens: 3.06 to 2.21 s on the 31M model, 13.9 to 11.0 s on SmolLM2, engine
+level, OpenBLAS) but not for decode and verify steps: a forward of one query
+per row ran 20% faster alone, yet whole engines at batch 8 were level within
+this VM's noise. So only chunks of ``MIN_QUERIES`` queries or more take it.
 
 The library is compiled on first use with the system C compiler into
 ``~/.cache/mlx-nursery/native`` (``-march=native``; the cache key holds the
@@ -48,6 +52,7 @@ FLAGS = (
     "-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
     "-fPIC", "-shared",
 )  # fmt: skip
+MIN_QUERIES = 32  # fewer queries a row (decode, verify steps): mlx's own path
 MIN_SCORES = 4096  # below this many scores mlx's own softmax is as quick as a sync
 THREADS = max(1, min(4, os.cpu_count() or 1))
 
@@ -188,8 +193,9 @@ def attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any = No
 
     fast = mx.fast.scaled_dot_product_attention
     if (
-        not usable(queries, keys, values)
+        queries.shape[2] < MIN_QUERIES
         or queries.shape[2] * keys.shape[2] * queries.shape[0] * queries.shape[1] < MIN_SCORES
+        or not usable(queries, keys, values)
     ):
         return fast(queries, keys, values, scale=scale, mask=mask)
     b, heads, length, dim = queries.shape

@@ -207,10 +207,10 @@ class EngineSettings:
     )  # fmt: skip
     cpu_softmax: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",
-        help="float32 attention on a Linux x86-64 CPU computes mlx's softmax in a small C "
-        "library built on first use, many lanes wide and to the same bits "
-        "(actors/cpu_softmax.py); off, or without a C compiler: mlx's own. A choice for the "
-        "process",
+        help="float32 attention over prefill chunks on a Linux x86-64 CPU computes mlx's "
+        "softmax in a small C library built on first use, many lanes wide and to the same "
+        "bits (actors/cpu_softmax.py); off, or without a C compiler: mlx's own. A choice for "
+        "the process",
     )  # fmt: skip
     speculative: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",

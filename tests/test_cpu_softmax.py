@@ -91,12 +91,15 @@ def test_attention_is_mlx_attention(case):
 
 
 def test_other_dtypes_and_small_calls_take_mlx_path(monkeypatch):
-    """float16 attention and calls below ``MIN_SCORES`` never reach the library."""
+    """float16 attention, decode steps and calls below ``MIN_SCORES`` never reach
+    the library."""
     monkeypatch.setattr(cpu_softmax, "softmax", lambda s: pytest.fail("used the library"))
     q = mx.zeros((1, 2, 1, 16), mx.float16)
     cpu_softmax.attention(q, q, q, 0.25)
-    small = mx.zeros((1, 2, 4, 16))
+    small = mx.zeros((1, 2, 40, 16))
     cpu_softmax.attention(small, small, small, 0.25, "causal")
+    step, keys = mx.zeros((8, 9, 1, 64)), mx.zeros((8, 3, 900, 64))
+    cpu_softmax.attention(step, keys, keys, 0.125)
 
 
 def test_the_flag_parses():
@@ -122,6 +125,7 @@ def test_a_model_generates_the_same_bits_through_the_library(family, monkeypatch
                 for r in stream_generate(model, tokenizer, prompt, max_tokens=16)]  # fmt: skip
 
     monkeypatch.setattr(cpu_softmax, "MIN_SCORES", 0)
+    monkeypatch.setattr(cpu_softmax, "MIN_QUERIES", 0)  # decode steps too
     try:
         ragged.install(model, rows=False, exact_softmax=False)
         want = run()
