@@ -187,7 +187,8 @@ def softmax(scores: Any) -> Any:
 
 def attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any = None) -> Any:
     """mlx's CPU ``scaled_dot_product_attention`` (its fallback composition, op for
-    op) with :func:`softmax`; the same bits. Other dtypes, devices and sinks
+    op) with :func:`softmax`; the same bits. Chunks of fewer than
+    ``MIN_QUERIES`` queries or ``MIN_SCORES`` scores, other dtypes and devices
     take ``mx.fast.scaled_dot_product_attention``."""
     import mlx.core as mx
 

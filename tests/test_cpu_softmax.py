@@ -22,6 +22,26 @@ def bits(a) -> np.ndarray:
     return np.asarray(a).view(np.uint32)
 
 
+@pytest.fixture
+def every_call(monkeypatch) -> list:
+    """Every softmax and attention call through the library, whatever its size
+    (by default decode steps and small calls keep mlx's path, and a check of
+    them would compare mlx with itself); the list records each library call."""
+    monkeypatch.setattr(cpu_softmax, "MIN_SCORES", 0)
+    monkeypatch.setattr(cpu_softmax, "MIN_QUERIES", 0)
+    used, library = [], cpu_softmax.library()
+
+    class Counting:
+        exp_rows = library.exp_rows
+
+        def softmax_rows(self, *args):
+            used.append(args[2:4])
+            return library.softmax_rows(*args)
+
+    monkeypatch.setattr(cpu_softmax, "library", lambda: Counting())
+    return used
+
+
 def test_exp_is_mlx_exp_on_every_exponent_and_the_edges():
     """Every float32 exponent (all 256, both signs) with random mantissas, plus
     the values where mlx's exp switches branch (±88, NaN, ±inf, the rounding
@@ -42,7 +62,7 @@ def test_exp_is_mlx_exp_on_every_exponent_and_the_edges():
 
 
 @pytest.mark.parametrize("shape", [(3, 1), (9, 601), (2, 8, 17, 4099), (1, 8, 900, 900)])
-def test_softmax_is_mlx_softmax(shape):
+def test_softmax_is_mlx_softmax(shape, every_call):
     rng = np.random.default_rng(len(shape))
     scores = rng.normal(0, 10, shape).astype(np.float32)
     scores[..., : shape[-1] // 4] = np.finfo(np.float32).min  # masked the way mlx masks
@@ -50,6 +70,7 @@ def test_softmax_is_mlx_softmax(shape):
     s = mx.array(scores)
     got = cpu_softmax.softmax(s)
     assert np.array_equal(bits(got), bits(mx.softmax(s, axis=-1, precise=True)))
+    assert every_call, "the library was not reached"
 
 
 CASES = [
@@ -67,7 +88,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
-def test_attention_is_mlx_attention(case):
+def test_attention_is_mlx_attention(case, every_call):
     b, heads, kv_heads, length, keys, kind = case
     rng = np.random.default_rng(7)
 
@@ -88,6 +109,7 @@ def test_attention_is_mlx_attention(case):
     got = cpu_softmax.attention(q, k, v, 0.125, mask)
     assert got.shape == want.shape
     assert np.array_equal(bits(got), bits(want))
+    assert every_call, "the library was not reached"
 
 
 def test_other_dtypes_and_small_calls_take_mlx_path(monkeypatch):
@@ -111,7 +133,7 @@ def test_the_flag_parses():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
-def test_a_model_generates_the_same_bits_through_the_library(family, monkeypatch):
+def test_a_model_generates_the_same_bits_through_the_library(family, every_call):
     """mlx-lm's own generation, every attention call (prefill and decode) through
     the library, against mlx's attention: the same tokens and logprobs, bit for bit."""
     from conftest import loaded
@@ -124,16 +146,12 @@ def test_a_model_generates_the_same_bits_through_the_library(family, monkeypatch
         return [(r.token, bits(r.logprobs).tobytes())
                 for r in stream_generate(model, tokenizer, prompt, max_tokens=16)]  # fmt: skip
 
-    monkeypatch.setattr(cpu_softmax, "MIN_SCORES", 0)
-    monkeypatch.setattr(cpu_softmax, "MIN_QUERIES", 0)  # decode steps too
     try:
         ragged.install(model, rows=False, exact_softmax=False)
         want = run()
-        used = []
-        real = cpu_softmax.softmax
-        monkeypatch.setattr(cpu_softmax, "softmax", lambda s: used.append(1) or real(s))
+        assert not every_call
         ragged.install(model, rows=False, exact_softmax=True)
         assert run() == want
-        assert used, "the library was not reached"
+        assert every_call, "the library was not reached"
     finally:
         ragged.install(model)
