@@ -1163,9 +1163,8 @@ def speculative(
     and ``mlx_lm.server``, one server alive at a time. With ``rounds`` above 1
     the servers take turns that many times (this VM drifts by up to 20% over
     minutes; taking turns spreads the drift over all) and each figure is the
-    median round's. The whole
-    set of loads writes the bench:speculative section; a subset writes
-    bench:speculative-rounds."""
+    median round's. The whole set of loads writes the bench:speculative
+    section; a subset writes bench:speculative-rounds."""
     rows = []
     for label, model in models:
         sides = {
@@ -1207,11 +1206,10 @@ def speculative(
                     f"{o['tps'] / b['tps']:.2f}x"
                     for o, b in zip(runs["ours"][key], runs["mlx_lm.server"][key], strict=True)
                 )
+            rate = " | ".join(f"{r['tps']:.1f} ({r['tps'] / base[key]['tps']:.2f}x)"
+                              for r in (off, slow, ours))  # fmt: skip
             rows.append(
-                f"| {label} | {kind} | {clients} | {base[key]['tps']:.1f} | "
-                f"{off['tps']:.1f} ({off['tps'] / base[key]['tps']:.2f}x) | "
-                f"{slow['tps']:.1f} ({slow['tps'] / base[key]['tps']:.2f}x) | "
-                f"{ours['tps']:.1f} ({ours['tps'] / base[key]['tps']:.2f}x) | "
+                f"| {label} | {kind} | {clients} | {base[key]['tps']:.1f} | {rate} | "
                 f"{ours['tokens_per_step'] or 1:.2f} | {ours['kept']} / {ours['drafted']} | "
                 f"{same} / {len(base[key]['texts'])}{spread} |"
             )
