@@ -213,6 +213,42 @@ def _blocks(parts: Sequence[Batch]) -> tuple[list[list[Any]], int]:
     return blocks, merged
 
 
+def _side_by_side(layer: Sequence[Any]) -> BatchKVCache | None:
+    """One layer's caches, in slot order (solo ``KVCache``s and ``BatchKVCache``s),
+    as one batch cache written in a single copy: each row right-aligned at the
+    longest row's end, with room left for the next step's write. mlx-lm's
+    ``merge`` then ``extend`` pad and concatenate, and the next write grows the
+    buffer again: three copies of the whole batch, most of a second when a long
+    row joins short ones (a main agent's history beside its sub-agents'). The
+    rows' keys and values, padding and positions are the same. None where a
+    cache is of another kind (those take mlx-lm's way)."""
+    if not all(type(c) in (KVCache, BatchKVCache) and c.keys is not None for c in layer):
+        return None
+    ends = [c.offset if type(c) is KVCache else c._idx for c in layer]
+    end = max(ends)
+    size = (end // BatchKVCache.step + 1) * BatchKVCache.step
+    rows = sum(c.keys.shape[0] for c in layer)
+    k, v = layer[0].keys, layer[0].values
+    keys = mx.zeros((rows, k.shape[1], size, k.shape[3]), k.dtype)
+    values = mx.zeros((rows, v.shape[1], size, v.shape[3]), v.dtype)
+    pads, offsets, at = [], [], 0
+    for c, n in zip(layer, ends, strict=True):
+        b, shift = c.keys.shape[0], end - n
+        keys[at : at + b, :, shift:end] = c.keys[..., :n, :]
+        values[at : at + b, :, shift:end] = c.values[..., :n, :]
+        if type(c) is KVCache:
+            pads.append(mx.array([shift]))
+            offsets.append(mx.array([n]))
+        else:
+            pads.append(c.left_padding + shift)
+            offsets.append(c.offset)
+        at += b
+    out = BatchKVCache([])
+    out.keys, out.values, out._idx = keys, values, end
+    out.left_padding, out.offset = mx.concatenate(pads), mx.concatenate(offsets)
+    return out
+
+
 def _row_kv(cache: Any, i: int, batched: bool) -> tuple[mx.array, mx.array]:
     """Row ``i``'s keys and values, shaped (1, heads, length, dim), no padding."""
     if not batched:
@@ -372,13 +408,18 @@ class Batch:
             self.next_tokens, self.next_logprobs = other.next_tokens, list(other.next_logprobs)
             self.slots = list(other.slots)
         else:
-            blocks, merged = _blocks(parts)
-            base, *rest = blocks
-            for other in rest:
-                for c, o in zip(base, other, strict=True):
-                    c.extend(o)
-            self.caches, self.batched = base, True
-            self.copied += merged + self.nbytes * len(rest)
+            layers = [_side_by_side(c) for c in zip(*(p.caches for p in parts), strict=True)]
+            if all(c is not None for c in layers):
+                self.caches, self.batched = layers, True
+                self.copied += self.nbytes
+            else:
+                blocks, merged = _blocks(parts)
+                base, *rest = blocks
+                for other in rest:
+                    for c, o in zip(base, other, strict=True):
+                        c.extend(o)
+                self.caches, self.batched = base, True
+                self.copied += merged + self.nbytes * len(rest)
             self.next_tokens = mx.concatenate([p.next_tokens for p in parts])
             self.next_logprobs = [lp for p in parts for lp in p.next_logprobs]
             self.slots = [s for p in parts for s in p.slots]

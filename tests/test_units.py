@@ -372,3 +372,40 @@ def test_the_lane_token_is_held_by_one_lane_at_a_time():
     gpu.give_lane("batch")
     gpu.take_lane("serial")
     assert gpu.statistics().lane == "serial"
+
+
+def _kv_cache(length: int, seed: int):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    cache = KVCache()
+    k = mx.random.normal((1, 2, length, 4), key=mx.random.key(seed))
+    cache.update_and_fetch(k, k + 1)
+    return cache
+
+
+def test_a_join_writes_the_batch_in_one_copy_as_mlx_lms_merge_and_extend_would():
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
+    from mlx_nursery.actors.rows import _side_by_side
+
+    def parts():
+        batch = BatchKVCache.merge([_kv_cache(5, 1), _kv_cache(9, 2)])
+        step = mx.random.normal((2, 2, 1, 4), key=mx.random.key(3))
+        batch.update_and_fetch(step, step)
+        return [batch, _kv_cache(30, 4), _kv_cache(3, 5)]
+
+    batch, *solo = parts()
+    batch.extend(BatchKVCache.merge(solo))  # mlx-lm's way
+    ours = _side_by_side(parts())
+    assert ours.keys.shape[2] > ours._idx == batch._idx == 30  # room for the next write
+    assert ours.left_padding.tolist() == batch.left_padding.tolist() == [24, 20, 0, 27]
+    assert ours.offset.tolist() == batch.offset.tolist() == [6, 10, 30, 3]
+    for got, want in zip(ours.keys_and_values(), batch.keys_and_values(), strict=True):
+        assert mx.array_equal(got, want).item()
+    new = mx.random.normal((4, 2, 1, 4), key=mx.random.key(6))
+    size = ours.keys.shape[2]
+    written = zip(ours.update_and_fetch(new, new), batch.update_and_fetch(new, new), strict=True)
+    assert all(mx.array_equal(got, want).item() for got, want in written)
+    assert ours.keys.shape[2] == size  # written in place, not grown by a copy
+    assert _side_by_side([batch, RotatingKVCache(max_size=8)]) is None  # mlx-lm's way
