@@ -185,29 +185,44 @@ def softmax(scores: Any) -> Any:
     return mx.array(out)
 
 
-def attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any = None) -> Any:
+def attention(
+    queries: Any, keys: Any, values: Any, scale: float, mask: Any = None, verify: bool = False
+) -> Any:
     """mlx's CPU ``scaled_dot_product_attention`` (its fallback composition, op for
     op) with :func:`softmax`; the same bits. Chunks of fewer than
     ``MIN_QUERIES`` queries or ``MIN_SCORES`` scores, other dtypes and devices
-    take ``mx.fast.scaled_dot_product_attention``."""
+    take ``mx.fast.scaled_dot_product_attention``.
+
+    ``verify``: a verify step's few queries a row take it too (that step waits
+    for its samples anyway, so a synchronisation costs it little), with each key
+    head's query heads folded into one matmul. mlx's layout runs one BLAS call
+    per row, query head and query (72 a layer for SmolLM2 at batch 8); folded it
+    is one per row and key head. The reference BLAS gives the same bits either
+    way; OpenBLAS rounds the folded call differently, within a float's last bits
+    (docs/speculative.md, "The verify step")."""
     import mlx.core as mx
 
     fast = mx.fast.scaled_dot_product_attention
-    if (
+    small = (
         queries.shape[2] < MIN_QUERIES
         or queries.shape[2] * keys.shape[2] * queries.shape[0] * queries.shape[1] < MIN_SCORES
-        or not usable(queries, keys, values)
-    ):
+    )
+    if (small and not verify) or not usable(queries, keys, values):
         return fast(queries, keys, values, scale=scale, mask=mask)
     b, heads, length, dim = queries.shape
     kv_heads = keys.shape[1]
     repeats = heads // kv_heads
     q = mx.array(scale, queries.dtype) * queries
     k, v = keys, values
-    if repeats > 1:
-        q = q.reshape(b, kv_heads, repeats, length, dim)
-        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
-    scores = q @ k.swapaxes(-1, -2)
+    fold = verify and repeats > 1
+    if fold:  # (b, kv_heads, repeats * length, dim): one matmul per row and key head
+        q = q.reshape(b, kv_heads, repeats * length, dim)
+        scores = (q @ k.swapaxes(-1, -2)).reshape(b, kv_heads, repeats, length, -1)
+    else:
+        if repeats > 1:
+            q = q.reshape(b, kv_heads, repeats, length, dim)
+            k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
+        scores = q @ k.swapaxes(-1, -2)
     if isinstance(mask, str):  # "causal": the last queries against every key
         offset = k.shape[-2] - length
         mask = mx.arange(offset, length + offset)[:, None] >= mx.arange(0, k.shape[-2])[None]
@@ -222,7 +237,10 @@ def attention(queries: Any, keys: Any, values: Any, scale: float, mask: Any = No
             scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
         else:
             scores = scores + mask
-    out = softmax(scores) @ v
+    weights = softmax(scores)
+    if fold:
+        weights = weights.reshape(b, kv_heads, repeats * length, -1)
+    out = weights @ v
     return out.reshape(b, heads, length, dim) if repeats > 1 else out
 
 

@@ -19,12 +19,16 @@ the original path.
 The same wrapper swaps in :func:`cpu_softmax.attention` (mlx's own CPU attention,
 its softmax vectorized to the same bits) for float32 attention on the CPU, in
 the row-by-row path and the original one alike: ``install(model, rows=...,
-exact_softmax=...)`` chooses either or both.
+exact_softmax=...)`` chooses either or both. A forward built inside
+:func:`verify_step` tells it that its few queries a row are a verify step's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from . import cpu_softmax
@@ -38,6 +42,19 @@ FAMILIES = (
 )  # fmt: skip
 _MARKER = "_mlx_nursery_ragged"
 calls = 0  # attention calls taken row by row in this process (for tests and benchmarks)
+_step = threading.local()  # what the forward this thread builds is (verify_step)
+
+
+@contextlib.contextmanager
+def verify_step() -> Iterator[None]:
+    """The forward built inside is a verify step: its attention takes
+    ``cpu_softmax.attention(..., verify=True)`` where the library is used."""
+    before = getattr(_step, "verify", False)
+    _step.verify = True
+    try:
+        yield
+    finally:
+        _step.verify = before
 
 
 def _namespaces(model: Any) -> list[Any]:
@@ -84,7 +101,8 @@ def ragged(original: Any, rows: bool = True, exact_softmax: bool = True) -> Any:
 
     def sdpa(queries, keys, values, scale, mask=None):
         if exact_softmax:
-            return cpu_softmax.attention(queries, keys, values, scale, mask)
+            verify = getattr(_step, "verify", False)
+            return cpu_softmax.attention(queries, keys, values, scale, mask, verify=verify)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None, **extra):

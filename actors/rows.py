@@ -27,6 +27,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
+from . import ragged
 from .gpu import calls_begun
 from .prompt_cache import clone
 from .ranks import Mirrored, mirrored
@@ -734,7 +735,8 @@ class Batch:
             start, pads = self.caches[0]._idx, self.caches[0].left_padding.tolist()
         rows = [[t, *(o.tokens if o else [])] for t, o in zip(pending, offers, strict=True)]
         inputs = mx.array([r + [0] * (width + 1 - len(r)) for r in rows], dtype=mx.uint32)
-        logits = self.model(inputs, cache=self.caches)
+        with ragged.verify_step():
+            logits = self.model(inputs, cache=self.caches)
         logprobs, samples = self._sample_all(inputs, logits)
         current_lp = self.next_logprobs
         mx.eval(samples, logprobs, current_lp)

@@ -23,6 +23,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -1156,16 +1157,21 @@ SPEC_TEXTS: list[str] = []
 
 
 def speculative(
-    models: list[tuple[str, str]], loads: tuple = SPEC_LOADS, rounds: int = 1
+    models: list[tuple[str, str]],
+    loads: tuple = SPEC_LOADS,
+    rounds: int = 1,
+    peers: tuple[str, ...] = (),
 ) -> None:
     """The edit workload and natural chat at 1 and 8 clients: ours (the
     defaults), ours with ``--speculative off``, ours with ``--cpu-softmax off``,
-    and ``mlx_lm.server``, one server alive at a time. With ``rounds`` above 1
-    the servers take turns that many times (this VM drifts by up to 20% over
-    minutes; taking turns spreads the drift over all) and each figure is the
-    median round's. The whole set of loads writes the bench:speculative
-    section; a subset writes bench:speculative-rounds."""
+    ``mlx_lm.server`` and the ``peers``, one server alive at a time. With
+    ``rounds`` above 1 the servers take turns that many times, in reverse order
+    every other round (this VM drifts by up to 20% over minutes: in one order,
+    the side that runs last takes the drift), and each figure is the mean over
+    rounds. The whole set of loads writes the bench:speculative section; a
+    subset writes bench:speculative-rounds."""
     rows = []
+    homes = [tempfile.mkdtemp(prefix="peer-home-") for _ in peers]
     for label, model in models:
         sides = {
             "mlx_lm.server": Server(
@@ -1177,11 +1183,12 @@ def speculative(
             "ours, speculation off": both_servers(model, "--speculative", "off")[0],
             "ours, mlx's softmax": both_servers(model, "--cpu-softmax", "off")[0],
             "ours": both_servers(model)[0],
+            **{p: peer_server(p, model, home) for p, home in zip(peers, homes, strict=True)},
         }  # fmt: skip
         runs: dict[str, dict[tuple, list[dict]]] = {name: {} for name in sides}
-        for _ in range(rounds):
-            for name, server in sides.items():
-                with server:
+        for turn in range(rounds):
+            for name in list(sides)[:: -1 if turn % 2 else 1]:
+                with sides[name] as server:
                     trio.run(_chat_load, server.url, "natural", 1, 1)  # warm-up
                     for kind, clients, requests in loads:
                         r = trio.run(_chat_load, server.url, kind, clients, requests)
@@ -1189,10 +1196,14 @@ def speculative(
                         print(f"  speculative {label} {name} {kind} x{clients}: "
                               f"{r['tps']:.1f} tok/s ({r['tokens']} tokens, {r['wall']:.1f} s), "
                               f"tokens/step {r['tokens_per_step']}", flush=True)  # fmt: skip
-        got = {
-            name: {key: sorted(rs, key=lambda r: r["tps"])[len(rs) // 2] for key, rs in by.items()}
+        got = {  # the median round's figures, with the mean rate over rounds
+            name: {
+                key: {**sorted(rs, key=lambda r: r["tps"])[len(rs) // 2],
+                      "tps": sum(r["tps"] for r in rs) / len(rs)}
+                for key, rs in by.items()
+            }
             for name, by in runs.items()
-        }
+        }  # fmt: skip
         base = got["mlx_lm.server"]
         for kind, clients, _ in loads:
             key = (kind, clients)
@@ -1206,8 +1217,9 @@ def speculative(
                     f"{o['tps'] / b['tps']:.2f}x"
                     for o, b in zip(runs["ours"][key], runs["mlx_lm.server"][key], strict=True)
                 )
+            sides_here = (off, slow, ours, *(got[p][key] for p in peers))
             rate = " | ".join(f"{r['tps']:.1f} ({r['tps'] / base[key]['tps']:.2f}x)"
-                              for r in (off, slow, ours))  # fmt: skip
+                              for r in sides_here)  # fmt: skip
             rows.append(
                 f"| {label} | {kind} | {clients} | {base[key]['tps']:.1f} | {rate} | "
                 f"{ours['tokens_per_step'] or 1:.2f} | {ours['kept']} / {ours['drafted']} | "
@@ -1215,12 +1227,20 @@ def speculative(
             )
         if ("edit", 1) in got["mlx_lm.server"]:
             SPEC_TEXTS[:] = base[("edit", 1)]["texts"]
+            share = _copied_share(model)
             rows.append(f"| {label} | edit answers' 3-grams found in their prompt | "
-                        f"{100 * _copied_share(model):.0f}% | | | | | | | |")  # fmt: skip
+                        f"{100 * share:.0f}% |" + " |" * (7 + len(peers)))  # fmt: skip
+    for home in homes:
+        shutil.rmtree(home, ignore_errors=True)
     rounds_note = (
-        f" {rounds} rounds, the servers taking turns; each figure is the median "
-        "round's, and the last column has each round's ratio of ours to mlx_lm.server."
+        f" {rounds} rounds, the servers taking turns in reverse order every other round; "
+        "each rate is the mean over rounds (the other figures are the median round's), "
+        "and the last column has each round's ratio of ours to mlx_lm.server."
         if rounds > 1 else ""
+    )
+    peers_note = (
+        " Peers (" + ", ".join(f"`{PEERS[p][0]}`" for p in peers) + ") run alone on the same "
+        "loads, each with a fresh HOME; neither drafts." if peers else ""
     )
     body = "\n".join([
         f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; float32; greedy, {SPEC_TOKENS} "
@@ -1229,12 +1249,14 @@ def speculative(
         "and one small change, \"output only the code\" (1 client works through 4 tasks, 8 "
         "clients through 8); natural: open questions (2 and 8). tok/s: completion tokens "
         "over the load's wall time, ratio to mlx_lm.server. Same text: answers identical "
-        f"to mlx_lm.server's.{rounds_note}",
+        f"to mlx_lm.server's.{rounds_note}{peers_note}",
         "",
         "| model | load | clients | mlx_lm.server tok/s | ours, speculation off | ours, "
-        "mlx's softmax (`--cpu-softmax off`) | ours (defaults) | tokens per step (row) | "
-        "drafts kept / drafted | same text |" + (" rounds |" if rounds > 1 else ""),
-        "| --- " * 10 + "|" + (" --- |" if rounds > 1 else ""),
+        "mlx's softmax (`--cpu-softmax off`) | ours (defaults) | "
+        + "".join(f"{p} | " for p in peers)
+        + "tokens per step (row) | drafts kept / drafted | same text |"
+        + (" rounds |" if rounds > 1 else ""),
+        "| --- " * (10 + len(peers)) + "|" + (" --- |" if rounds > 1 else ""),
         *rows,
     ])  # fmt: skip
     whole = set(loads) == set(SPEC_LOADS)
@@ -1245,8 +1267,6 @@ def float32_copy(gguf_file: Path) -> Path:
     """The converted GGUF model, dequantized to float32 and saved, so that both
     servers (mlx_lm.server has no dtype flag) and both in-process sides run the
     same float32 weights."""
-    import shutil
-
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model, load, save_model
     from mlx_nursery.actors.models import resolve
@@ -1380,7 +1400,7 @@ def main() -> int:
         if args.spec_loads:
             wanted = {tuple(x.split(":")) for x in args.spec_loads.split(",")}
             loads = tuple(load for load in SPEC_LOADS if (load[0], str(load[1])) in wanted)
-        speculative(models, loads, args.rounds)
+        speculative(models, loads, args.rounds, tuple(PEERS) if args.peers else ())
         return 0
     if args.real:
         args.model = str(float32_copy(fetch(DEFAULT)))

@@ -8,6 +8,8 @@ masks models use, and the switch."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -110,6 +112,49 @@ def test_attention_is_mlx_attention(case, every_call):
     assert got.shape == want.shape
     assert np.array_equal(bits(got), bits(want))
     assert every_call, "the library was not reached"
+
+
+VERIFY_CASES = [
+    # (batch, heads, kv heads, queries, keys, mask) of verify steps: a batch with
+    # the mask mlx-lm's BatchKVCache builds, a lone row's "causal", no grouping
+    (8, 9, 3, 3, 603, "bool"),
+    (8, 9, 3, 9, 700, "bool"),
+    (1, 9, 3, 4, 650, "causal"),
+    (4, 4, 4, 3, 500, "bool"),
+]
+
+
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=[str(c) for c in VERIFY_CASES])
+def test_a_verify_step_folds_the_query_heads_and_keeps_mlxs_numbers(case, monkeypatch):
+    """A verify step's few queries a row take the library at the usual thresholds,
+    each key head's query heads folded into one matmul. Under the reference BLAS
+    the suite runs on, the same bits as mlx's attention; under OpenBLAS the folded
+    matmul rounds differently, so there only close."""
+    b, heads, kv_heads, length, keys, kind = case
+    rng = np.random.default_rng(11)
+
+    def normal(*shape):
+        return mx.array(rng.normal(0, 1, shape).astype(np.float32))
+
+    q = normal(b, heads, length, 64)
+    k, v = normal(b, kv_heads, keys, 64), normal(b, kv_heads, keys, 64)
+    pads = mx.array(rng.integers(0, keys // 3, (b,)))
+    causal = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None]
+    mask = "causal" if kind == "causal" else (causal & (mx.arange(keys) >= pads[:, None, None]))[
+        :, None
+    ]
+    reached, softmax = [], cpu_softmax.softmax
+    monkeypatch.setattr(cpu_softmax, "softmax", lambda s: reached.append(s.shape) or softmax(s))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    got = cpu_softmax.attention(q, k, v, 0.125, mask, verify=True)
+    assert got.shape == want.shape
+    if "libopenblas" in Path("/proc/self/maps").read_text():
+        assert np.allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    else:
+        assert np.array_equal(bits(got), bits(want))
+    assert len(reached) == 1, "the library was not reached"
+    cpu_softmax.attention(q[:, :, :1], k, v, 0.125)  # a decode step's: mlx's own
+    assert len(reached) == 1
 
 
 def test_other_dtypes_and_small_calls_take_mlx_path(monkeypatch):

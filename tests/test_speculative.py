@@ -167,6 +167,30 @@ async def test_lone_row_drafting_matches_stream_generate(family, forced_drafts):
     assert stats.tokens_per_forward > 1.0
 
 
+async def test_verify_steps_attend_folded_and_stay_exact(forced_drafts, monkeypatch):
+    """A verify step's forward, and only it, takes the CPU attention's verify path
+    (the query heads of each key head folded into one matmul), and its rows keep
+    mlx-lm's tokens: under the reference BLAS the folded matmul has the same bits."""
+    from mlx_nursery.actors import cpu_softmax
+
+    seen, attention = [], cpu_softmax.attention
+
+    def recorded(queries, *args, verify=False, **kwargs):
+        seen.append((queries.shape[2], verify))
+        return attention(queries, *args, verify=verify, **kwargs)
+
+    monkeypatch.setattr(cpu_softmax, "attention", recorded)
+    g = golden("llama")
+    async with checked_engine("llama", batch=8) as engine:
+        for case in g["serial"] * 2:
+            result = await engine.generate(case["prompt_ids"], max_tokens=case["max_tokens"])
+            assert result.tokens == case["tokens"], case["prompt"]
+        assert engine.stats().verify_steps > 0
+    assert any(verify for _, verify in seen)
+    assert all(queries > 1 for queries, verify in seen if verify)
+    assert not any(verify for queries, verify in seen if queries == 1)
+
+
 @pytest.mark.parametrize("family", PLAIN_KV)
 async def test_batch_drafting_matches_batch_generator(family, forced_drafts):
     """Rows of every scripted scenario draft (differently each step), keep what
