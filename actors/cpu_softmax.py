@@ -17,9 +17,10 @@ softmax runs outside the graph (through numpy views), so each attention call
 costs one synchronisation, and the step can no longer be built while the one
 before it computes. That pays for chunks of many queries (a prefill of 900
 tokens: 3.06 to 2.21 s on the 31M model, 13.9 to 11.0 s on SmolLM2, engine
-level, OpenBLAS) but not for decode and verify steps: a forward of one query
-per row ran 20% faster alone, yet whole engines at batch 8 were level within
-this VM's noise. So only chunks of ``MIN_QUERIES`` queries or more take it.
+level, OpenBLAS) but not for decode steps: a forward of one query per row ran
+20% faster alone, yet whole engines at batch 8 were level within this VM's
+noise. So only chunks of ``MIN_QUERIES`` queries or more take it, and verify
+steps, which wait for their samples anyway (:func:`attention`'s ``verify``).
 
 The library is compiled on first use with the system C compiler into
 ``~/.cache/mlx-nursery/native`` (``-march=native``; the cache key holds the

@@ -209,7 +209,8 @@ class EngineSettings:
         True, validator=_boolean, parse=_on_off, shown="on",
         help="float32 attention over prefill chunks on a Linux x86-64 CPU computes mlx's "
         "softmax in a small C library built on first use, many lanes wide and to the same "
-        "bits (actors/cpu_softmax.py); off, or without a C compiler: mlx's own. A choice for "
+        "bits (actors/cpu_softmax.py); verify steps take it too, their query heads folded "
+        "into one matmul per key head; off, or without a C compiler: mlx's own. A choice for "
         "the process",
     )  # fmt: skip
     speculative: bool = setting(
