@@ -89,21 +89,26 @@ CASES = [
 ]
 
 
+def normal(rng, *shape) -> mx.array:
+    return mx.array(rng.normal(0, 1, shape).astype(np.float32))
+
+
+def attention_inputs(rng, b, heads, kv_heads, length, keys) -> tuple[mx.array, ...]:
+    """Queries, keys and values of one attention call (head dim 64)."""
+    q = normal(rng, b, heads, length, 64)
+    return q, normal(rng, b, kv_heads, keys, 64), normal(rng, b, kv_heads, keys, 64)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
 def test_attention_is_mlx_attention(case, every_call):
     b, heads, kv_heads, length, keys, kind = case
     rng = np.random.default_rng(7)
-
-    def normal(*shape):
-        return mx.array(rng.normal(0, 1, shape).astype(np.float32))
-
-    q = normal(b, heads, length, 64)
-    k, v = normal(b, kv_heads, keys, 64), normal(b, kv_heads, keys, 64)
+    q, k, v = attention_inputs(rng, b, heads, kv_heads, length, keys)
     mask = {
         None: None,
         "causal": "causal",
         "bool": mx.array(rng.random((b, 1, length, keys)) > 0.3),
-        "additive": normal(b, 1, length, keys),
+        "additive": normal(rng, b, 1, length, keys),
         "bool 2-d": mx.array(rng.random((length, keys)) > 0.3),
         "bool per head": mx.array(rng.random((b, heads, length, keys)) > 0.3),
     }[kind]
@@ -132,12 +137,7 @@ def test_a_verify_step_folds_the_query_heads_and_keeps_mlxs_numbers(case, monkey
     matmul rounds differently, so there only close."""
     b, heads, kv_heads, length, keys, kind = case
     rng = np.random.default_rng(11)
-
-    def normal(*shape):
-        return mx.array(rng.normal(0, 1, shape).astype(np.float32))
-
-    q = normal(b, heads, length, 64)
-    k, v = normal(b, kv_heads, keys, 64), normal(b, kv_heads, keys, 64)
+    q, k, v = attention_inputs(rng, b, heads, kv_heads, length, keys)
     pads = mx.array(rng.integers(0, keys // 3, (b,)))
     causal = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None]
     mask = "causal" if kind == "causal" else (causal & (mx.arange(keys) >= pads[:, None, None]))[
