@@ -38,6 +38,7 @@ import attrs
 import httpx
 import trio
 from edits import edit_messages, natural_messages  # bench/ (this script's folder)
+from mlx_nursery.actors.disk_cache import KV_DIR_ENV
 from mlx_nursery.actors.loading import cast
 from mlx_nursery.server.bench import WORDS, LoadSpec, one_request, prompts, run_load, storm
 from mlx_nursery.server.launch import MLX_LAUNCH
@@ -245,15 +246,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+FRESH_HOME = "<fresh>"  # Server.home: an empty HOME for each start
+
+
 @attrs.define
 class Server:
     name: str
     argv: list[str]
     port: int
     proc: subprocess.Popen | None = None
-    home: str | None = None  # a fresh HOME for servers that keep state there
+    # A HOME for servers that keep state there (FRESH_HOME: an empty one each start).
+    home: str | None = None
     start_seconds: float = 120.0
     env: dict[str, str] = attrs.field(factory=dict)  # over this process's environment
+    scratch: list[str] = attrs.field(factory=list)  # this start's folders, removed at exit
 
     @property
     def url(self) -> str:
@@ -261,8 +267,13 @@ class Server:
 
     def __enter__(self) -> Server:
         env = dict(os.environ, **{OPENBLAS_ENV: "1"}, **self.env)
+        # Ours keeps its prompt cache's disk tier across restarts: unless a bench
+        # names the folder (the restart and flood figures), each start gets an
+        # empty one, so no earlier server's or run's prompts are served from disk.
+        if KV_DIR_ENV not in self.env:
+            env[KV_DIR_ENV] = self._scratch("kv-")
         if self.home is not None:
-            env["HOME"] = self.home
+            env["HOME"] = self._scratch("home-") if self.home == FRESH_HOME else self.home
         self.proc = subprocess.Popen(
             [*self.argv, "--port", str(self.port)],
             env=env,
@@ -288,12 +299,19 @@ class Server:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def _scratch(self, prefix: str) -> str:
+        self.scratch.append(tempfile.mkdtemp(prefix=f"bench-{prefix}"))
+        return self.scratch[-1]
+
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        for folder in self.scratch:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.scratch.clear()
 
 
 @contextlib.contextmanager
@@ -424,23 +442,21 @@ def peer_venv(name: str) -> Path:
     return venv
 
 
-def peer_server(name: str, model: str, home: str) -> Server:
+def peer_server(name: str, model: str) -> Server:
     """One peer on a free port, with a fresh HOME (both keep a prefix cache there
     across restarts, which would carry one run's prompts into the next)."""
     venv = peer_venv(name)
     _, argv = PEERS[name]
     argv = [str(venv / "bin" / argv[0]), *(a.format(model=model) for a in argv[1:])]
-    return Server(name, argv, free_port(), home=home, start_seconds=600)
+    return Server(name, argv, free_port(), home=FRESH_HOME, start_seconds=600)
 
 
 def peers_http(model: str, repeats: int, names: list[str]) -> dict:
     """Each peer alone (one server alive at a time): the 8-client headline load and
     the clients sweep, as for the other two."""
-    import tempfile
-
     out = {}
     for name in names:
-        with tempfile.TemporaryDirectory() as home, peer_server(name, model, home) as server:
+        with peer_server(name, model) as server:
             load(server, 8, 8, seed=100)  # warm-up
             headline = []
             for repeat in range(repeats):
@@ -937,7 +953,7 @@ def restart(models: list[tuple[str, str]], tokens: int, repeats: int) -> None:
         for r in range(repeats):
             with tempfile.TemporaryDirectory() as kv:
                 ours, theirs = both_servers(model)
-                ours.env = {"MLX_NURSERY_KV_DIR": kv}
+                ours.env = {KV_DIR_ENV: kv}
                 figures["ours"].append(restart_ttft(ours, f"{prompt} ({r})"))
                 figures["mlx_lm.server"].append(restart_ttft(theirs, f"{prompt} ({r})"))
         for name, runs in figures.items():
@@ -964,7 +980,7 @@ def flood_server(model: str, *flags: str) -> Server:
         [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", model,
          *FLOOD_FLAGS, *flags, "--log-level", "WARNING"],
         free_port(),
-        env={"MLX_NURSERY_KV_DIR": tempfile.mkdtemp(prefix="flood-kv-")},
+        env={KV_DIR_ENV: tempfile.mkdtemp(prefix="flood-kv-")},
     )  # fmt: skip
 
 
@@ -1171,7 +1187,6 @@ def speculative(
     rounds. The whole set of loads writes the bench:speculative section; a
     subset writes bench:speculative-rounds."""
     rows = []
-    homes = [tempfile.mkdtemp(prefix="peer-home-") for _ in peers]
     for label, model in models:
         sides = {
             "mlx_lm.server": Server(
@@ -1183,7 +1198,7 @@ def speculative(
             "ours, speculation off": both_servers(model, "--speculative", "off")[0],
             "ours, mlx's softmax": both_servers(model, "--cpu-softmax", "off")[0],
             "ours": both_servers(model)[0],
-            **{p: peer_server(p, model, home) for p, home in zip(peers, homes, strict=True)},
+            **{p: peer_server(p, model) for p in peers},
         }  # fmt: skip
         runs: dict[str, dict[tuple, list[dict]]] = {name: {} for name in sides}
         for turn in range(rounds):
@@ -1230,8 +1245,6 @@ def speculative(
             share = _copied_share(model)
             rows.append(f"| {label} | edit answers' 3-grams found in their prompt | "
                         f"{100 * share:.0f}% |" + " |" * (7 + len(peers)))  # fmt: skip
-    for home in homes:
-        shutil.rmtree(home, ignore_errors=True)
     rounds_note = (
         f" {rounds} rounds, the servers taking turns in reverse order every other round; "
         "each rate is the mean over rounds (the other figures are the median round's), "
