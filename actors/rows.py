@@ -638,7 +638,7 @@ class Batch:
             ends = None if waiting else plan.ends
             width = self.spec.gate.choose(len(self.slots), plan.offers, ends)
             if width:
-                return self._verify(width)
+                return self._verify(width, plan.proposals)
             for slot, proposal in zip(self.slots, plan.proposals, strict=True):
                 if proposal:
                     slot.drafter.shadow_of(proposal)
@@ -703,23 +703,27 @@ class Batch:
             proposals.append(proposal)
         return _Plan(offers, proposals, ends + others) if offers else None
 
-    def _verify(self, width: int) -> list[Read | None]:
+    def _verify(self, width: int, offered: list[list[int]]) -> list[Read | None]:
         """A verify step: each slot's pending token and up to ``width`` drafts in
         one forward; a slot keeps its drafts up to the first the target did not
         sample (or its end), reads its pending token and those, and its KV is
         rolled back by the rest. The pending tokens are evaluated first (the
-        drafts follow them exactly); the step then waits for its own samples."""
+        drafts follow them exactly); the step then waits for its own samples.
+        ``offered``: each slot's proposal to the gate (a guess of its pending
+        token first where that was not known), whose guess is scored now."""
         self._plain_at = None
         mx.eval(self.next_tokens, self.next_logprobs)
         t0 = time.perf_counter()
         pending = self.next_tokens.tolist()
         offers: list[_Offer | None] = []
-        for slot, token in zip(self.slots, pending, strict=True):
+        for slot, token, proposal in zip(self.slots, pending, offered, strict=True):
             offer = None
             if slot.drafter is not None and not slot.dead and slot.fault is None:
                 if not slot.pending_known:
                     slot.drafter.known(token)
                     slot.pending_known = True
+                    if proposal:
+                        slot.drafter.guessed(proposal[0] == token)
                 ends = token in slot.stop_ids or (slot.left <= 1 and not slot.pending_read)
                 if not ends:
                     budget = slot.left - (0 if slot.pending_read else 1)

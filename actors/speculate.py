@@ -268,6 +268,13 @@ class Drafter:
         if not self.shadow and self.match is not None:
             self.shadow, self.shadow_match, self.shadow_kept = list(proposal), self.match, 0
 
+    def guessed(self, right: bool) -> None:
+        """The pending token an offer guessed is known: the guess was one draft
+        more to pass (:meth:`expected`), scored like one. Unscored, a wrong guess
+        left no trace (the row then proposes afresh, often nothing), and rows
+        offered drafts at their kept drafts' rate that never reached a step."""
+        self._observe(self.match, int(right), 1)
+
     def drafted(self, n: int, kept: int) -> None:
         """One verify step's outcome for the latest proposal: ``n`` drafted, ``kept`` kept."""
         self.shadow = []
@@ -398,8 +405,17 @@ class Gate:
     A step of width ``w`` costs ``cost(b, w)`` seconds and delivers, per row, one
     token plus the drafts it keeps. The gate takes the width with the most
     expected tokens per second, and a wider step only when that beats a plain
-    step by :data:`MARGIN`."""
+    step by :data:`MARGIN`.
 
+    A plain step is timed nearly every step (the pipeline's period), a wider one
+    only when it is taken, so the figures would age apart as the rows' contexts
+    grow (attention over more keys makes every width dearer): a wider step's
+    cost is kept as a multiple of the plain step's at the time it was measured,
+    and priced at today's plain cost. Kept in seconds, a verify step timed early
+    on short contexts (1.3 plain steps then) later looked nearly free beside
+    plain steps that had grown by a third, and the gate drafted at a loss."""
+
+    # (batch, 1): seconds; (batch, width > 1): a multiple of that batch's plain cost
     times: dict[tuple[int, int], float] = attrs.field(factory=dict)
     seen: dict[tuple[int, int], int] = attrs.field(factory=dict)  # step number last measured
     counts: dict[tuple[int, int], int] = attrs.field(factory=dict)  # measurements so far
@@ -407,8 +423,9 @@ class Gate:
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
         key = (batch, width)
+        figure = seconds if width == 1 else seconds / self.plain_cost(batch)
         old = self.times.get(key)
-        self.times[key] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
+        self.times[key] = figure if old is None else COST_DECAY * old + (1 - COST_DECAY) * figure
         self.seen[key] = self.steps
         self.counts[key] = self.counts.get(key, 0) + 1
 
@@ -425,9 +442,10 @@ class Gate:
         it; else the nearest measured width's cost plus :meth:`token_cost` for
         each token more that the step feeds (``batch`` per column). With nothing
         measured at this batch size, in units of a plain step."""
-        known = {w: t for (b, w), t in self.times.items() if b == batch}
-        if not known:  # in units of a plain step
+        if not any(b == batch for b, _ in self.times):  # in units of a plain step
             return 1.0 + PRIOR_TOKEN_COST * batch * (width - 1)
+        plain = self.plain_cost(batch)
+        known = {w: t * plain if w > 1 else t for (b, w), t in self.times.items() if b == batch}
         return _along(known, width, lambda: self.token_cost() * batch, known.get(1, 0.0))
 
     def token_cost(self) -> float:
@@ -439,7 +457,7 @@ class Gate:
         not (a column at batch 8 costs eight tokens). Before any is measured:
         :data:`PRIOR_TOKEN_COST` of the cheapest plain step."""
         estimates = sorted(
-            max(0.0, (t - self.times[(b, 1)]) / (b * (w - 1)))
+            max(0.0, (t - 1) * self.times[(b, 1)] / (b * (w - 1)))
             for (b, w), t in self.times.items()
             if w > 1 and (b, 1) in self.times
         )

@@ -121,6 +121,41 @@ def test_gate_drafts_only_where_the_measured_cost_pays():
     assert gate.stale(8, 1) and not gate.stale(4, 1)
 
 
+def test_gate_prices_a_verify_step_at_todays_plain_cost():
+    """A verify step measured while contexts were short keeps its multiple of
+    the plain step, not its seconds: as every step grows dearer with the rows'
+    contexts it grows with them, so it does not come to look free."""
+    gate = Gate()
+    for _ in range(3):
+        gate.observe(8, 1, 0.200)
+        gate.observe(8, 2, 0.300)
+    assert gate.cost(8, 2) == pytest.approx(0.300)
+    for _ in range(40):  # later, longer contexts: only plain steps are timed
+        gate.observe(8, 1, 0.300)
+    assert gate.cost(8, 1) == pytest.approx(0.300, rel=1e-3)
+    assert gate.cost(8, 2) == pytest.approx(0.450, rel=1e-3)
+    assert gate.token_cost() == pytest.approx(0.150 / 8, rel=1e-3)
+    sure = Drafter.start([1, 2, 3], None, Matches(), limit=8)
+    for _ in range(8):
+        sure.drafted(4, 4)
+    # three rows of eight that keep nearly every draft: 1.3x the tokens for 1.5x
+    # the cost (at the old 0.3 s it would pay)
+    assert gate.choose(8, [(sure, 1, False)] * 3) == 0
+    assert gate.choose(8, [(sure, 1, False)] * 8) == 1
+
+
+def test_a_wrong_guess_of_the_pending_token_counts_against_the_offer():
+    """An offer made before the pending token is known guesses it; the guess is
+    scored when the token is known, so rows whose guesses fail offer less."""
+    right, wrong = (Drafter.start([1, 2, 3], None, Matches(), limit=8) for _ in range(2))
+    for drafter, guess in ((right, True), (wrong, False)):
+        for _ in range(8):
+            drafter.guessed(guess)
+            if guess:
+                drafter.drafted(4, 4)
+    assert wrong.expected(4, True) < 0.1 < 0.8 < right.expected(4, True)
+
+
 def test_gate_with_nobody_waiting_values_drafts_by_the_time_they_save():
     gate = Gate()
     for _ in range(3):
