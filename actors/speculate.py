@@ -442,10 +442,11 @@ class Gate:
         it; else the nearest measured width's cost plus :meth:`token_cost` for
         each token more that the step feeds (``batch`` per column). With nothing
         measured at this batch size, in units of a plain step."""
-        if not any(b == batch for b, _ in self.times):  # in units of a plain step
+        figures = {w: t for (b, w), t in self.times.items() if b == batch}
+        if not figures:  # in units of a plain step
             return 1.0 + PRIOR_TOKEN_COST * batch * (width - 1)
         plain = self.plain_cost(batch)
-        known = {w: t * plain if w > 1 else t for (b, w), t in self.times.items() if b == batch}
+        known = {w: t * plain if w > 1 else t for w, t in figures.items()}
         return _along(known, width, lambda: self.token_cost() * batch, known.get(1, 0.0))
 
     def token_cost(self) -> float:
