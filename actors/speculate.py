@@ -504,11 +504,21 @@ class Gate:
             rate = tokens / self.cost(batch, w + 1)
             if rate > best_rate:
                 best, best_rate = w, rate
-        if best == 0 and self.steps % EXPLORE_EVERY == 0:
-            # a width measured long ago (or never) gets a fresh look
-            stale = min(range(1, longest + 1), key=lambda w: self.seen.get((batch, w + 1), -1))
-            return stale
+        if best == 0 and (self.steps % EXPLORE_EVERY == 0 or not self.measured_wider()):
+            # a width measured long ago (or never) gets a fresh look, the widest
+            # offered among equals (a verify step's fixed cost, its wait for the
+            # samples, spread over more columns, so the slope :meth:`token_cost`
+            # takes from it is the columns' own); until some wider step is
+            # measured at all, every cost above a plain step's is the prior's
+            # guess, so the first offer measures one
+            widths = range(longest, 0, -1)
+            return min(widths, key=lambda w: self.seen.get((batch, w + 1), -1))
         return best
+
+    def measured_wider(self) -> bool:
+        """Whether any step wider than a plain one has been measured (at any
+        batch size: :meth:`token_cost` carries across them)."""
+        return any(w > 1 for _, w in self.times)
 
     def _worth(
         self, batch: int, offering: int, ends: Sequence[float] | None, plain_cost: float

@@ -144,6 +144,21 @@ def test_gate_prices_a_verify_step_at_todays_plain_cost():
     assert gate.choose(8, [(sure, 1, False)] * 8) == 1
 
 
+def test_gate_measures_a_wider_step_at_the_first_offer():
+    """Until a wider step is measured its cost is the prior's guess; the first
+    offer takes one (the widest offered), and the measured cost decides after it."""
+    gate = Gate()
+    for _ in range(3):
+        gate.observe(8, 1, 0.100)
+    unsure = Drafter.start([1, 2, 3], None, Matches(), limit=8)
+    assert not gate.measured_wider()
+    assert gate.choose(8, [(unsure, 4, True), (unsure, 2, True)]) == 4
+    for _ in range(3):
+        gate.observe(8, 5, 0.700)  # dear columns: 0.15 s each
+    assert gate.measured_wider()
+    assert gate.choose(8, [(unsure, 4, True)] * 2) == 0
+
+
 def test_a_wrong_guess_of_the_pending_token_counts_against_the_offer():
     """An offer made before the pending token is known guesses it; the guess is
     scored when the token is known, so rows whose guesses fail offer less."""
