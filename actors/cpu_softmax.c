@@ -48,13 +48,19 @@ void exp_rows(const float *restrict in, float *restrict out, long n) {
     for (long i = 0; i < n; i++) out[i] = exp_like_mlx(in[i]);
 }
 
-/* mlx::core::softmax<float, float> for one row of m values. */
-static void softmax_row(const float *restrict in, float *restrict out, long m) {
+/* mlx::core::simd::maximum<float, 1> folded over a row, as both kernels do. */
+static inline float row_maximum(const float *restrict in, long m) {
     float maximum = -INFINITY;
     for (long j = 0; j < m; j++) {
         float v = in[j];
         maximum = v != v ? v : (v > maximum ? v : maximum);
     }
+    return maximum;
+}
+
+/* mlx::core::softmax<float, float> for one row of m values. */
+static void softmax_row(const float *restrict in, float *restrict out, long m) {
+    float maximum = row_maximum(in, m);
     for (long j = 0; j < m; j++) out[j] = exp_like_mlx(in[j] - maximum);
     float normalizer = 0.0f;
     for (long j = 0; j < m; j++) normalizer = normalizer + out[j];
@@ -62,26 +68,49 @@ static void softmax_row(const float *restrict in, float *restrict out, long m) {
     for (long j = 0; j < m; j++) out[j] = out[j] * normalizer;
 }
 
+/* mlx::core::logsumexp<float, float> for one row of m values: the maximum,
+ * the left-to-right sum of exp(x - maximum), then libm's logf of it plus the
+ * maximum (the maximum itself where it is infinite). The exps go through a
+ * scratch buffer so that they vectorize and the sum stays in order. */
+static float logsumexp_row(const float *restrict in, float *restrict scratch, long m) {
+    float maximum = row_maximum(in, m);
+    enum { CHUNK = 1024 };
+    float normalizer = 0.0f;
+    for (long j0 = 0; j0 < m; j0 += CHUNK) {
+        long n = m - j0 < CHUNK ? m - j0 : CHUNK;
+        for (long j = 0; j < n; j++) scratch[j] = exp_like_mlx(in[j0 + j] - maximum);
+        for (long j = 0; j < n; j++) normalizer = normalizer + scratch[j];
+    }
+    return isinf(maximum) ? maximum : logf(normalizer) + maximum;
+}
+
 struct span {
     const float *in;
     float *out;
     long first, last, m;
+    int kind; /* 0: softmax (out: rows x m), 1: logsumexp (out: rows) */
 };
 
-static void *softmax_span(void *arg) {
+static void *run_span(void *arg) {
     struct span *s = arg;
-    for (long i = s->first; i < s->last; i++) softmax_row(s->in + i * s->m, s->out + i * s->m, s->m);
+    if (s->kind == 0) {
+        for (long i = s->first; i < s->last; i++)
+            softmax_row(s->in + i * s->m, s->out + i * s->m, s->m);
+    } else {
+        float scratch[1024];
+        for (long i = s->first; i < s->last; i++) s->out[i] = logsumexp_row(s->in + i * s->m, scratch, s->m);
+    }
     return NULL;
 }
 
-/* Softmax over the last axis of a contiguous rows x m array, on up to
- * `threads` threads (rows are independent, so the split changes no bit). */
-void softmax_rows(const float *in, float *out, long rows, long m, int threads) {
+/* A row kernel over a contiguous rows x m array, on up to `threads` threads
+ * (rows are independent, so the split changes no bit). */
+static void run_rows(const float *in, float *out, long rows, long m, int threads, int kind) {
     enum { MAX_THREADS = 16 };
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 2 || rows < 2) {
-        struct span all = {in, out, 0, rows, m};
-        softmax_span(&all);
+        struct span all = {in, out, 0, rows, m, kind};
+        run_span(&all);
         return;
     }
     if (threads > rows) threads = (int)rows;
@@ -89,10 +118,20 @@ void softmax_rows(const float *in, float *out, long rows, long m, int threads) {
     int running[MAX_THREADS] = {0};
     struct span spans[MAX_THREADS];
     for (int t = 0; t < threads; t++) {
-        spans[t] = (struct span){in, out, rows * t / threads, rows * (t + 1) / threads, m};
-        running[t] = t < threads - 1 && pthread_create(&ids[t], NULL, softmax_span, &spans[t]) == 0;
-        if (!running[t]) softmax_span(&spans[t]);
+        spans[t] = (struct span){in, out, rows * t / threads, rows * (t + 1) / threads, m, kind};
+        running[t] = t < threads - 1 && pthread_create(&ids[t], NULL, run_span, &spans[t]) == 0;
+        if (!running[t]) run_span(&spans[t]);
     }
     for (int t = 0; t < threads; t++)
         if (running[t]) pthread_join(ids[t], NULL);
+}
+
+/* Softmax over the last axis (mlx's precise softmax). */
+void softmax_rows(const float *in, float *out, long rows, long m, int threads) {
+    run_rows(in, out, rows, m, threads, 0);
+}
+
+/* Logsumexp over the last axis, one float a row (mlx's logsumexp). */
+void logsumexp_rows(const float *in, float *out, long rows, long m, int threads) {
+    run_rows(in, out, rows, m, threads, 1);
 }

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
-from . import ragged
+from . import cpu_softmax, ragged
 from .gpu import calls_begun
 from .prompt_cache import clone
 from .ranks import Mirrored, mirrored
@@ -806,7 +806,10 @@ class Batch:
         if any(s.processors for s in self.slots):
             first, _ = self._processed(logits[:, 0], inputs[:, 0])
             logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if ragged.exact_softmax(self.model):  # mlx's bits, many lanes wide (the step waits anyway)
+            logprobs = logits - cpu_softmax.logsumexp(logits)
+        else:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return logprobs, self._sample(logprobs)  # samplers take any leading shape
 
     def _roll_back(self, kept: list[int | None], width: int, start: int, pads: list[int]) -> None:

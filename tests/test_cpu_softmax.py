@@ -75,6 +75,24 @@ def test_softmax_is_mlx_softmax(shape, every_call):
     assert every_call, "the library was not reached"
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (3, 601), (8, 9, 49152), (2, 3, 151936)])
+def test_logsumexp_is_mlx_logsumexp(shape):
+    """A verify step's logits (rows x positions x vocabulary), and the edges:
+    a row all -inf (mlx gives -inf), one with +inf (+inf), one with a NaN."""
+    rng = np.random.default_rng(len(shape) + shape[-1])
+    logits = rng.normal(2, 6, shape).astype(np.float32)
+    flat = logits.reshape(-1, shape[-1])
+    if flat.shape[0] >= 3:
+        flat[0, :] = -np.inf
+        flat[1, -1] = np.inf
+        flat[2, 0] = np.nan
+    x = mx.array(logits)
+    got, want = cpu_softmax.logsumexp(x), mx.logsumexp(x, axis=-1, keepdims=True)
+    assert got.shape == want.shape
+    got, want = np.asarray(got), np.asarray(want)
+    assert np.all((bits(got) == bits(want)) | (np.isnan(got) & np.isnan(want)))
+
+
 CASES = [
     # (batch, heads, kv heads, queries, keys, mask): a decode step, a verify step,
     # prefill chunks (from scratch and after a cached prefix), the masks mlx-lm builds
