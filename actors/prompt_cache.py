@@ -125,7 +125,10 @@ class _RecordingLRU:
 
     def _pop_unpinned(self) -> Any:
         """mlx-lm's choice of victim, passing over pinned entries while another is
-        left (they go back to their old ends, in order)."""
+        left (they go back to their old ends, in order). When every entry is
+        pinned, the one being put goes if it is among them, else the oldest: a
+        session that puts every half second (a sub-agent fan-out) would otherwise
+        evict another session's history the moment their pins outgrow the cap."""
         passed = []
         try:
             while True:
@@ -133,8 +136,10 @@ class _RecordingLRU:
                 if tuple(tokens) not in self._store.pinned:
                     return model, tokens
                 passed.append((model, tokens))
-                if not len(self._inner):  # every entry is pinned: the oldest goes
-                    return passed.pop(0)
+                if not len(self._inner):  # every entry is pinned
+                    putting = [i for i, (_, t) in enumerate(passed)
+                               if tuple(t) == self._store.putting]  # fmt: skip
+                    return passed.pop(putting[0] if putting else 0)
         finally:
             for model, tokens in reversed(passed):
                 kind = self._store._trie.get(KEY, tokens).cache_type
@@ -157,6 +162,7 @@ class Store(LRUPromptCache):
         # active session's latest. Set by every put and trim (an argument, so a
         # sharded engine's followers evict alike).
         self.pinned: frozenset[tuple[int, ...]] = frozenset()
+        self.putting: tuple[int, ...] | None = None  # the entry a put is inserting
         self._lru = _RecordingLRU(self._lru, self)
 
     def take(self, tokens: list[int]) -> Hit:
@@ -218,9 +224,12 @@ class Store(LRUPromptCache):
         self, tokens: list[int], caches: list[Any], kind: EntryKind, ceiling: int,
         pinned: frozenset = frozenset(),
     ) -> None:  # fmt: skip
-        self.pinned = pinned
-        self.insert_cache(KEY, list(tokens), caches, cache_type=kind)
-        self.trim_to(n_bytes=ceiling)
+        self.pinned, self.putting = pinned, tuple(tokens)
+        try:
+            self.insert_cache(KEY, list(tokens), caches, cache_type=kind)
+            self.trim_to(n_bytes=ceiling)
+        finally:
+            self.putting = None
 
     def trim_bytes(self, ceiling: int, pinned: frozenset = frozenset()) -> None:
         self.pinned = pinned

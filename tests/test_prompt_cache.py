@@ -165,3 +165,22 @@ async def test_a_cache_hit_gives_the_same_tokens_as_a_cold_run(family):
     async with checked_engine(family, batch=8, prompt_cache_size=0) as cold_engine:
         cold = await cold_engine.generate(follow, max_tokens=16)
     assert warm.tokens == cold.tokens
+
+
+def test_when_only_pinned_entries_are_left_the_one_being_put_goes():
+    """Two sessions' pinned entries that outgrow the cap: the main agent's long
+    history (put first) stays, and the sub-agents' newest put is what goes
+    (evicted, and spilled where a disk tier is on), not the history."""
+
+    def entry(n: int) -> list[KVCache]:
+        return [filled_kv(n)]
+
+    history, task = [1] * 40, [2] * 12
+    each = entry(40)[0].nbytes, entry(12)[0].nbytes
+    store = Store(max_size=10, max_bytes=sum(each) - 1)
+    store.put(history, entry(40), "assistant", sum(each), frozenset({tuple(history)}))
+    pins = frozenset({tuple(history), tuple(task)})
+    store.put(task, entry(12), "assistant", sum(each) - 1, pins)
+    assert store.take([*history, 3]).cached == 40
+    assert store.take([*task, 3]).cached == 0
+    assert store.evicted and list(store.evicted[-1]) == task
