@@ -413,7 +413,7 @@ def _wire(
     steps, think = settings.prefill_step_size, info.think
     speculation = None
     if settings.speculative:
-        speculation = Speculation(settings.draft_tokens, draft=draft)
+        speculation = Speculation(settings.draft_tokens, draft=draft, library=settings.cpu_softmax)
     admitter = Admission(
         settings.batch,
         budget,

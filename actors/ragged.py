@@ -43,7 +43,6 @@ FAMILIES = (
 _MARKER = "_mlx_nursery_ragged"
 calls = 0  # attention calls taken row by row in this process (for tests and benchmarks)
 _step = threading.local()  # what the forward this thread builds is (verify_step)
-_exact: dict[int, tuple[Any, bool]] = {}  # id(model): (model, exact_softmax(model))
 
 
 @contextlib.contextmanager
@@ -68,24 +67,11 @@ def _namespaces(model: Any) -> list[Any]:
     return list(found.values())
 
 
-def exact_softmax(model: Any) -> bool:
-    """Whether ``model``'s attention takes the library (``install(...,
-    exact_softmax=True)``); then its verify steps' logsumexp does too."""
-    known = _exact.get(id(model))
-    if known is None or known[0] is not model:
-        spaces = _namespaces(model) if hasattr(model, "named_modules") else []
-        wrapped = [getattr(n, "scaled_dot_product_attention", None) for n in spaces]
-        on = any(getattr(w, _MARKER, (False, False))[1] for w in wrapped)
-        known = _exact[id(model)] = (model, on)
-    return known[1]
-
-
 def install(model: Any, rows: bool = True, exact_softmax: bool = True) -> int:
     """Wrap the attention of the mlx-lm modules ``model`` is built from (for the
     whole process): ``rows``, ragged attention in decode steps; ``exact_softmax``,
     the vectorized CPU softmax. Returns how many were wrapped now (0: already
     so, or none). Neither: mlx-lm's own attention."""
-    _exact.clear()
     if not (rows or exact_softmax):
         uninstall(model)
         return 0
@@ -104,7 +90,6 @@ def install(model: Any, rows: bool = True, exact_softmax: bool = True) -> int:
 
 def uninstall(model: Any) -> None:
     """mlx-lm's own attention back in the modules ``model`` is built from."""
-    _exact.clear()
     for namespace in _namespaces(model):
         current = getattr(namespace, "scaled_dot_product_attention", None)
         if getattr(current, _MARKER, None):

@@ -87,6 +87,8 @@ class Speculation:
     shared: SharedIndex | None = attrs.field(factory=SharedIndex)
     matches: Matches = attrs.field(factory=Matches)
     draft: DraftModel | None = None  # a draft model drafts instead of the n-gram indexes
+    # verify steps' logsumexp in the CPU library (``--cpu-softmax``), mlx's bits
+    library: bool = True
 
 
 @attrs.frozen
@@ -806,7 +808,7 @@ class Batch:
         if any(s.processors for s in self.slots):
             first, _ = self._processed(logits[:, 0], inputs[:, 0])
             logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
-        if ragged.exact_softmax(self.model):  # mlx's bits, many lanes wide (the step waits anyway)
+        if self.spec.library:  # mlx's bits, many lanes wide (the step waits anyway)
             logprobs = logits - cpu_softmax.logsumexp(logits)
         else:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
