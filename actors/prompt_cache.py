@@ -137,9 +137,9 @@ class _RecordingLRU:
                     return model, tokens
                 passed.append((model, tokens))
                 if not len(self._inner):  # every entry is pinned
-                    putting = [i for i, (_, t) in enumerate(passed)
-                               if tuple(t) == self._store.putting]  # fmt: skip
-                    return passed.pop(putting[0] if putting else 0)
+                    putting = (i for i, (_, t) in enumerate(passed)
+                               if tuple(t) == self._store.putting)  # fmt: skip
+                    return passed.pop(next(putting, 0))
         finally:
             for model, tokens in reversed(passed):
                 kind = self._store._trie.get(KEY, tokens).cache_type
