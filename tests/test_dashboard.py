@@ -33,16 +33,18 @@ async def browse(url: str, *flags: str) -> trio.CompletedProcess:
 async def test_the_dashboard_shows_the_live_rows_and_updates_without_console_errors():
     with trio.fail_after(TIMEOUT):
         async with running_server(batch=8) as (url, _), trio.open_nursery() as nursery:
-            stop = trio.Event()
 
             async def agent(i: int) -> None:
-                body = {"model": "llama", "prompt": f"Agent {i}, report:", "max_tokens": 160,
+                # rows long enough to outlive both page loads: a row that ends while the
+                # page takes its snapshots leaves a gap until its agent's next request
+                # is admitted, and the last snapshot may fall in it (CI saw 3 of 8)
+                body = {"model": "llama", "prompt": f"Agent {i}, report:", "max_tokens": 4000,
                         "stream": True, "logit_bias": {str(EOS): -100}}  # fmt: skip
                 headers = {"X-Request-Id": f"agent-{i}"}
                 if i < 6:  # two agent trees of three, and two lone requests
                     headers["X-Session-Id"] = f"tree-{i % 2}"
                 async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-                    while not stop.is_set():
+                    while True:
                         async with client.stream(
                             "POST", "/v1/completions", json=body, headers=headers
                         ) as r:
@@ -55,16 +57,12 @@ async def test_the_dashboard_shows_the_live_rows_and_updates_without_console_err
                 while (await client.get("/stats")).json()["decoding_rows"] < 6:  # noqa: ASYNC110
                     await trio.sleep(0.05)
                 done = await browse(f"{url}/?frames=8", "--dump-dom")
-                # the load still runs after the page (an agent between two requests
-                # is not active for an instant: read until the eight are back in)
-                with trio.move_on_after(5):
-                    while (after := (await client.get("/stats")).json())["active_rows"] < 6:  # noqa: ASYNC110
-                        await trio.sleep(0.05)
+                after = (await client.get("/stats")).json()  # the load still runs
                 ARTIFACTS.mkdir(exist_ok=True)
                 shot = ARTIFACTS / "dashboard.png"
                 await browse(f"{url}/?frames=12", "--window-size=1280,1100",
                              f"--screenshot={shot}")  # fmt: skip
-            stop.set()
+            nursery.cancel_scope.cancel()  # the agents hang up: their rows are cancelled
 
     dom = done.stdout.decode()
     assert 'data-done="1"' in dom, "the page took its snapshots"
