@@ -27,6 +27,7 @@ supersedes it first (a flush, at shutdown, writes everything queued at once).
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import hashlib
 import json
@@ -242,6 +243,11 @@ class DiskTier:
     identity: str
     cap: int  # bytes
     entries: dict[str, DiskEntry] = attrs.field(factory=dict, init=False)  # by file name
+    # Loads in progress, by file name, and the entries unindexed meanwhile (a
+    # longer entry superseded them, or the cap): their files go when the last
+    # load of them ends, not under it.
+    _readers: collections.Counter = attrs.field(factory=collections.Counter, init=False)
+    _doomed: dict[str, DiskEntry] = attrs.field(factory=dict, init=False)
 
     @property
     def nbytes(self) -> int:
@@ -303,6 +309,26 @@ class DiskTier:
     def covered(self, tokens: np.ndarray) -> bool:
         return any(e.covers(tokens) for e in self.entries.values())
 
+    def reading(self, entry: DiskEntry) -> None:
+        """A load of ``entry`` begins: its file stays until :meth:`read` ends it."""
+        self._readers[entry.path.name] += 1
+
+    def read(self, entry: DiskEntry) -> list[DiskEntry]:
+        """A load of ``entry`` ended; returns what the caller removes now (the
+        entry, if it was unindexed meanwhile and no other load holds it)."""
+        name = entry.path.name
+        self._readers[name] -= 1
+        if self._readers[name] > 0:
+            return []
+        del self._readers[name]
+        gone = self._doomed.pop(name, None)
+        return [gone] if gone is not None else []
+
+    def _unheld(self, gone: list[DiskEntry]) -> list[DiskEntry]:
+        """Of unindexed entries, those no load holds (the rest wait for theirs)."""
+        self._doomed.update((e.path.name, e) for e in gone if e.path.name in self._readers)
+        return [e for e in gone if e.path.name not in self._readers]
+
     # worker thread
     def verify(self, entry: DiskEntry) -> None:
         """Check the file against the checksum in its name (raises BadFile)."""
@@ -347,13 +373,13 @@ class DiskTier:
     def add(self, entry: DiskEntry) -> list[DiskEntry]:
         """Index a written entry; returns the entries it supersedes (a trimmable
         entry that holds a prefix of it) and the oldest ones past the cap, which
-        the caller removes (in a thread)."""
+        the caller removes (in a thread); one being loaded goes when its load ends."""
         gone = [e for e in self.entries.values() if e.path != entry.path and entry.trimmable
                 and len(e.tokens) < len(entry.tokens) and entry.covers(e.tokens)]  # fmt: skip
         for e in gone:
             del self.entries[e.path.name]
         self.entries[entry.path.name] = entry
-        return gone + self.over_cap(keep=entry)
+        return self._unheld(gone + self.over_cap(keep=entry))
 
     def over_cap(self, keep: DiskEntry | None = None) -> list[DiskEntry]:
         """Unindex the least recently used entries until the tier fits its cap."""

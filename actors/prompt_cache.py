@@ -402,6 +402,9 @@ class PromptCacheActor:
         """One file's caches, cut back by ``trim`` tokens; None if the file is bad
         (then it is removed, with one log line)."""
         start = trio.current_time()
+        # The writer may supersede or evict this entry while it loads (both
+        # await): its file then stays until the load is done.
+        self.disk.reading(entry)
         try:
             await trio.to_thread.run_sync(self.disk.verify, entry)
             caches = await self.gpu.call_here(_loaded, entry.path, trim)
@@ -411,6 +414,9 @@ class PromptCacheActor:
             self.stats.post(Count(Metric.PROMPT_CACHE_DISK_BAD))
             self._post_disk()
             return None
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(disk_cache.remove, self.disk.read(entry))
         self.stats.post(
             Count(Metric.PROMPT_CACHE_DISK_HITS),
             Count(Metric.PROMPT_CACHE_DISK_READ_BYTES, entry.nbytes),

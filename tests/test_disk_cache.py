@@ -239,3 +239,42 @@ async def test_smollm2_serves_a_6k_agent_prompt_from_disk_after_a_restart():
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
     assert warm == cold
     assert warm_ttft <= 0.1 * cold_ttft
+
+
+def test_an_entry_superseded_while_it_loads_keeps_its_file_until_the_load_ends(tmp_path):
+    """The flood found it: a turn's take picked the main agent's history on disk,
+    and while it waited to load, the writer indexed the longer next entry, which
+    supersedes it, and removed its file: the load failed ("does not load") and the
+    turn lost its history. The file now goes when the last load of it ends."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+    from mlx_nursery.actors import disk_cache
+
+    def frozen(tokens: int) -> disk_cache.Frozen:
+        caches = [KVCache() for _ in range(2)]
+        for c in caches:
+            c.update_and_fetch(mx.ones((1, 2, tokens, 8)), mx.ones((1, 2, tokens, 8)))
+        return disk_cache.freeze(caches)
+
+    tier = disk_cache.DiskTier(tmp_path, "identity", cap=1 << 30)
+    prompt = prompt_of(7, 40)
+    short = tier.write(disk_cache.as_tokens(prompt[:30]), frozen(30), "assistant")
+    assert tier.add(short) == []
+    entry, usable = tier.nearest(prompt)
+    assert entry is short and usable == 30
+
+    tier.reading(entry)
+    tier.reading(entry)  # two turns load it at once
+    longer = tier.write(disk_cache.as_tokens(prompt), frozen(40), "assistant")
+    assert tier.add(longer) == []  # it supersedes the short one: nothing to remove yet
+    assert list(tier.entries) == [longer.path.name] and short.path.exists()
+    assert [c.offset for c in disk_cache.load(short.path)] == [30, 30]  # still loads
+    assert tier.read(entry) == []  # the other load still holds it
+    assert tier.read(entry) == [short]  # the last one done: now it goes
+    disk_cache.remove([short])
+    assert files(tmp_path) == [longer.path]
+    # an entry nobody reads goes at once, as before
+    tier.reading(longer)
+    assert tier.read(longer) == []
+    again = tier.write(disk_cache.as_tokens([*prompt, 9]), frozen(41), "assistant")
+    assert tier.add(again) == [longer]
