@@ -1,17 +1,18 @@
 """Where the flood's decode time goes: one decode step of a batch under
-mlx-lm's ``BatchKVCache`` as the rows' lengths vary (mlx-lm's padded attention,
-and ``actors/ragged.py``'s row by row), and the attention alone.
+mlx-lm's ``BatchKVCache`` as the rows' lengths vary, with mlx-lm's padded
+attention, with ``actors/ragged.py``'s row by row (as served), and with the
+attention left out (what the weights cost), plus the attention alone.
 
-The flood (issue #25) puts B's ~1,700-token row beside A's ~600-token rows:
-every row of the batch then attends over the longest row's keys (left
-padding), and A has three of the four slots. This measures both effects
-on the benchmark model, plus scaled-dot-product attention by itself.
+The flood (issue #25) puts B's ~2,400-token row beside A's ~600-token rows, and
+A has three of the four slots. This measures what B's row adds to a step on the
+benchmark model (``docs/benchmarks.md``, the flood section).
 
     python bench/step_lengths.py [MODEL_DIR]   (default: the 31M bench model)
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,22 @@ def attention_ms(rows: int, heads: int, head_dim: int, length: int, layers: int)
     return layers * timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), 100)
 
 
+@contextlib.contextmanager
+def no_attention(model):
+    """The model's attention replaced by its queries (the step's other work only)."""
+    from mlx_nursery.actors import ragged
+
+    namespaces = ragged._namespaces(model)
+    kept = [n.scaled_dot_product_attention for n in namespaces]
+    for n in namespaces:
+        n.scaled_dot_product_attention = lambda q, k, v, cache, scale, mask, **_: q
+    try:
+        yield
+    finally:
+        for n, fn in zip(namespaces, kept, strict=True):
+            n.scaled_dot_product_attention = fn
+
+
 def main() -> None:
     from mlx_lm import load
     from mlx_nursery.actors import ragged
@@ -64,20 +81,21 @@ def main() -> None:
     args = model.args
     heads, layers = args.num_attention_heads, args.num_hidden_layers
     head_dim = args.hidden_size // heads
-    print(f"{folder}: one decode step (ms), padded (mlx-lm) and ragged (actors/ragged.py)\n")
-    print("| rows' lengths | padded (ms) | ragged (ms) | A's tok/s in it, padded | ragged |")
-    print("| --- | --- | --- | --- | --- |")
-    for lengths in ([600] * 4, [600] * 3 + [1700], [1700] * 4, [600] * 3, [1700]):
+    print(f"{folder}: one decode step (ms)\n")
+    print("| rows' lengths (keys) | padded | ragged (as served) | attention left out |")
+    print("| --- | --- | --- | --- |")
+    a, b = 600, 2400
+    for lengths in ([a], [a] * 3, [a] * 4, [a] * 3 + [b], [b], [b] * 4):
         ragged.uninstall(model)
         padded = step_ms(model, lengths)
         ragged.install(model)
         rowwise = step_ms(model, lengths)
-        a_rows = sum(1 for n in lengths if n == 600)
-        rates = [f"{a_rows / ms * 1000:.0f}" if a_rows else "-" for ms in (padded, rowwise)]
+        with no_attention(model):
+            weights = step_ms(model, lengths)
         print(f"| {', '.join(map(str, lengths))} | {padded:.1f} | {rowwise:.1f} | "
-              f"{' | '.join(rates)} |", flush=True)  # fmt: skip
+              f"{weights:.1f} |", flush=True)  # fmt: skip
     print("\n| attention alone, 4 rows x all layers | ms |\n| --- | --- |")
-    for length in (600, 1700):
+    for length in (600, 2400):
         print(f"| {length} keys | {attention_ms(4, heads, head_dim, length, layers):.1f} |")
 
 
