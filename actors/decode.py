@@ -39,6 +39,14 @@ CLEAR_CACHE_EVERY = 256  # steps between mx.clear_cache(), as generate_step does
 # the batch is compacted (a copy of every row that stays); sooner when half the
 # batch is retired. Each turn it waits costs one row's share of a step.
 RETIRED_TURNS = 8
+# While requests wait for a slot, each retired slot's replacement is already on
+# its way (admission gave the slot out when the row left; its prefill runs), so
+# the slot waits this long instead, whatever share of the batch is retired.
+# Compacting first would be undone by the joiner: a join with no retired slot
+# copies the whole batch, and with a main agent's long row in it that is 300-450
+# MB, 0.2-0.3 s on two cores, where a retired slot costs one row's share of a
+# step (docs/batching.md).
+RETIRED_TURNS_BACKLOG = 64
 DRAFTED = {d: Metric[f"DRAFTED_{d.upper()}"] for d in DRAFTERS}  # per drafter
 ACCEPTED = {d: Metric[f"ACCEPTED_{d.upper()}"] for d in DRAFTERS}
 
@@ -367,13 +375,18 @@ class Decode:
 
     def _compact_due(self, joining: int) -> bool:
         """Compact the retired slots that joiners this turn will not fill, once
-        they have waited ``RETIRED_TURNS`` turns or are half the batch."""
+        they have waited ``RETIRED_TURNS`` turns or are half the batch; while
+        requests wait for a slot, once they have waited ``RETIRED_TURNS_BACKLOG``."""
         retired = self._rows.count(None) - joining
         if retired <= 0:
             self._retired_turns = 0
             return False
         self._retired_turns += 1
-        if self._retired_turns > RETIRED_TURNS or retired >= len(self._live()):
+        if self._waiting:
+            due = self._retired_turns > RETIRED_TURNS_BACKLOG
+        else:
+            due = self._retired_turns > RETIRED_TURNS or retired >= len(self._live())
+        if due:
             self._retired_turns = 0
             return True
         return False

@@ -41,6 +41,10 @@ def serve_traced(trace: str, argv: list[str]) -> int:
         if name == "_advance" and args[0].batched:
             cache = args[0].caches[0]
             detail["lengths"] = [cache._idx - p for p in cache.left_padding.tolist()]
+            detail["width"] = cache.keys.shape[2]
+            if isinstance(result, outcome.Value):  # KV bytes a join or compaction copied
+                detail["copied"] = result.value.step.copied
+                detail["refilled"] = result.value.step.refilled
         elif name == "_advance" and args[0].caches:
             detail["lengths"] = [args[0].caches[0].offset]
         elif name == "prefill_turn" and isinstance(result, outcome.Value):

@@ -6,6 +6,7 @@ afterwards that every row ended, nothing is queued and no KV is left.
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
@@ -116,6 +117,32 @@ async def test_a_row_cancelled_at_step_k_leaves_and_frees_its_kv():
     for n in ("sentence", "chat"):
         assert results[n].tokens == cases[n]["tokens"], n
     assert engine.stats().cancelled == 1
+
+
+async def test_with_requests_waiting_a_retired_slot_waits_for_its_joiner():
+    """While requests queue, a leaving row's replacement is already prefilling,
+    so its retired slot waits for it and the joiner is written over it in place,
+    however many turns the prefill takes; compacting first would have the join
+    copy the whole batch (a main agent's long row makes that hundreds of MB)."""
+    rng = random.Random(5)
+
+    def prompt(n):
+        return [rng.randrange(3, 250) for _ in range(n)]
+
+    prompts = {"stay": prompt(700), "leave": prompt(650), "slow": prompt(400), "next": prompt(20)}
+    tokens = {"stay": 60, "leave": 3, "slow": 4, "next": 4}
+    results = {}
+
+    async def run(name):
+        results[name] = await engine.generate(prompts[name], max_tokens=tokens[name])
+
+    async with checked_engine(FAMILY, batch=2) as engine, trio.open_nursery() as nursery:
+        for name in prompts:  # "slow" (13 prefill chunks) and "next" queue behind the two
+            nursery.start_soon(run, name)
+            await settle(engine)
+    stats = engine.stats()
+    assert stats.refilled >= 1, "the slow joiner was written over the retired slot"
+    assert set(results) == set(prompts)
 
 
 async def test_a_raising_consumer_loses_only_its_own_row():
