@@ -425,18 +425,21 @@ class Admission:
         match message:
             case Enqueue(row, reply):
                 with reply:
+                    refused = None if self._closing else self.refusal()
+                    try:
+                        reply.send_nowait(refused or Accepted())
+                    except trio.BrokenResourceError:  # the caller left before its answer
+                        row.events.close()
+                        return
                     if self._closing:
-                        reply.send_nowait(Accepted())
                         self.stats.post(Count(Metric.SUBMITTED))
                         await self._end_queued(
                             row, End(FinishReason.CANCELLED, "engine shutting down")
                         )
-                    elif (refused := self.refusal()) is not None:
+                    elif refused is not None:
                         self.stats.post(Count(Metric.OVERLOADED))
-                        reply.send_nowait(refused)
                         row.events.close()
                     else:
-                        reply.send_nowait(Accepted())
                         self.stats.post(Count(Metric.SUBMITTED))
                         self._queue.append(row)
             case Cancel(row_id, _) | Finish(row_id, _):

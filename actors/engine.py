@@ -246,8 +246,12 @@ class Engine:
             raise EngineClosed("the engine is shutting down and takes no new requests")
         send, receive = trio.open_memory_channel(1)
         await self._to_admission.send(Enqueue(row, send))
-        with receive:
-            answer = await receive.receive()
+        try:
+            with receive:
+                answer = await receive.receive()
+        except trio.Cancelled:  # admission may have queued it already: no one reads it
+            self._cancel(row.id, "the caller left before the request started")
+            raise
         if isinstance(answer, Refused):
             raise _overloaded(answer)
 
