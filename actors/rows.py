@@ -252,6 +252,39 @@ def _side_by_side(layer: Sequence[Any]) -> BatchKVCache | None:
     return out
 
 
+def _make_room(caches: Sequence[Any], feed: int, live: Sequence[bool]) -> None:
+    """Before a forward that writes ``feed`` positions a row into plain batch KV
+    caches: where the buffers are full, grow them here, without the left padding
+    every live row shares. mlx-lm grows a buffer by a copy of all of it, padding
+    included. Rows refilled in place (``Batch._fill``) are written at the batch's
+    write position, and nothing else trims the batch until it is compacted: under
+    a steady stream of joiners the shared padding, and with it every growth copy
+    and the KV held, only grew (the flood's batch of four went from 768 to 2,816
+    positions for rows of 730-870 tokens). The rows' keys, values and positions
+    are unchanged; a retired slot's stale KV may be cut (it is never read)."""
+    kv = _first_kv(caches)
+    if kv is None or kv._idx + feed <= kv.keys.shape[2]:
+        return
+    pads = [p for p, alive in zip(kv.left_padding.tolist(), live, strict=True) if alive]
+    cut = min(pads, default=0)
+    if cut < BatchKVCache.step:  # mlx-lm's own growth copies about as much
+        return
+    grow = (feed + BatchKVCache.step - 1) // BatchKVCache.step * BatchKVCache.step
+    for c in caches:
+        rows, heads, _, k_dim = c.keys.shape
+        v_dim = c.values.shape[3]
+        c.keys = mx.concatenate(
+            [c.keys[..., cut : c._idx, :], mx.zeros((rows, heads, grow, k_dim), c.keys.dtype)],
+            axis=2,
+        )
+        c.values = mx.concatenate(
+            [c.values[..., cut : c._idx, :], mx.zeros((rows, heads, grow, v_dim), c.values.dtype)],
+            axis=2,
+        )
+        c._idx -= cut
+        c.left_padding = mx.maximum(c.left_padding - cut, 0)
+
+
 def _row_kv(cache: Any, i: int, batched: bool) -> tuple[mx.array, mx.array]:
     """Row ``i``'s keys and values, shaped (1, heads, length, dim), no padding."""
     if not batched:
@@ -553,6 +586,10 @@ class Batch:
 
     # -- the step ---------------------------------------------------------------
 
+    def _make_room(self, feed: int) -> None:
+        if self.reusable:
+            _make_room(self.caches, feed, [not s.dead for s in self.slots])
+
     def _forward(self) -> tuple[mx.array, list[Any]]:
         """Build step n+1 from the pending tokens; returns them and the processor contexts.
 
@@ -663,6 +700,7 @@ class Batch:
             if was_rows == rows and was_call == call - 1:
                 gate.observe(rows, 1, now - then)
         self._plain_at = (rows, now, call) if gate is not None else None
+        self._make_room(1)
         inputs, _ = self._forward()
         if timed:
             mx.eval(self.next_tokens)
@@ -738,6 +776,7 @@ class Batch:
             return self._plain()
         start, pads = 0, []
         if self.batched:
+            self._make_room(width + 1)
             start, pads = self.caches[0]._idx, self.caches[0].left_padding.tolist()
         rows = [[t, *(o.tokens if o else [])] for t, o in zip(pending, offers, strict=True)]
         inputs = mx.array([r + [0] * (width + 1 - len(r)) for r in rows], dtype=mx.uint32)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import random
 import threading
+from functools import partial
 
 import pytest
 import trio
 import trio.testing
 from conftest import FaultyModel, checked_engine, golden, loaded
-from mlx_nursery.actors import GenerationFailed, open_engine
+from mlx_nursery.actors import GenerationFailed, Overloaded, open_engine
 from mlx_nursery.actors.decode import RETIRED_TURNS
 
 FAMILY = "llama"
@@ -143,6 +144,64 @@ async def test_with_requests_waiting_a_retired_slot_waits_for_its_joiner():
     stats = engine.stats()
     assert stats.refilled >= 1, "the slow joiner was written over the retired slot"
     assert set(results) == set(prompts)
+
+
+async def test_rows_refilled_in_place_do_not_grow_the_batch_without_bound():
+    """Ninety-six queued requests through a batch of three, ending at different
+    steps: every joiner is written over a retired slot at the batch's write
+    position and nothing compacts the batch, so the left padding all rows share
+    grows by each row's length. Growing the buffer drops it (``rows._make_room``):
+    the buffer stays within a few hundred positions of its longest row instead of
+    a third of the sum of every row's (about 1,200 positions here)."""
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 250) for _ in range(10)] for _ in range(96)]
+    lengths = [(20, 27, 34)[i % 3] for i in range(len(prompts))]
+    results, widths = {}, []
+
+    async def run(i):
+        results[i] = await engine.generate(prompts[i], max_tokens=lengths[i])
+
+    async with (
+        checked_engine(FAMILY, batch=3, max_queued_requests=len(prompts)) as engine,
+        trio.open_nursery() as nursery,
+    ):
+        for i in range(len(prompts)):
+            nursery.start_soon(run, i)
+        while len(results) < len(prompts):
+            await engine.wait_step(engine.steps + 1)
+            await settle(engine)
+            widths.append(engine.stats().kv_bytes)
+    args = loaded(FAMILY)[0].args
+    position = 2 * args.num_hidden_layers * args.num_key_value_heads * (
+        args.hidden_size // args.num_attention_heads) * 4  # K and V of one row, float32
+    assert engine.stats().refilled >= 60
+    # rows of at most 44 positions; mlx-lm grows by 256, and a cut needs 256 shared
+    assert max(widths) <= 3 * position * (44 + 3 * 256), max(widths) // (3 * position)
+    for i in (0, 1, 2, 95):  # the same tokens as each prompt alone
+        assert results[i].tokens == await solo(prompts[i], lengths[i]), i
+
+
+async def solo(prompt, max_tokens):
+    async with checked_engine(FAMILY, batch=1) as engine:
+        return (await engine.generate(prompt, max_tokens=max_tokens)).tokens
+
+
+async def test_submitters_cancelled_before_their_answer_leave_the_engine_serving():
+    """A nursery of submitters against a full queue: the first refused one cancels
+    the rest, some of them while they wait for admission's answer. Admission then
+    finds their reply channels closed; it used to raise there, and the engine died
+    with every request in it. Now such a row is dropped (or cancelled, if it was
+    queued before its caller left) and the engine serves on."""
+    prompt = serial_cases()["sentence"]["prompt_ids"]
+    async with checked_engine(FAMILY, batch=1, max_queued_requests=2) as engine:
+        with pytest.raises(ExceptionGroup) as caught:
+            async with trio.open_nursery() as nursery:
+                for _ in range(12):
+                    nursery.start_soon(partial(engine.generate, prompt, max_tokens=30))
+        assert caught.group_contains(Overloaded)
+        await settle(engine)  # the queued ones' cancels handled
+        after = await engine.generate(prompt, max_tokens=8)
+        assert after.tokens == serial_cases()["sentence"]["tokens"][:8]
 
 
 async def test_a_raising_consumer_loses_only_its_own_row():
