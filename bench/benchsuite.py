@@ -975,12 +975,15 @@ FLOOD_FLAGS = ("--batch", "4", "--prompt-cache-bytes", "96M")
 
 
 def flood_server(model: str, *flags: str) -> Server:
+    """Its disk tier in an empty scratch folder, removed when it stops (a named
+    folder here was never removed: dozens of runs filled the disk, and the tier's
+    default cap, a share of the free disk, shrank until the FIFO row's history
+    was evicted from disk as well as memory)."""
     return Server(
         "mlx-nursery",
         [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", model,
          *FLOOD_FLAGS, *flags, "--log-level", "WARNING"],
         free_port(),
-        env={KV_DIR_ENV: tempfile.mkdtemp(prefix="flood-kv-")},
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import collections
 import functools
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -115,8 +116,9 @@ def main() -> int:
     from benchsuite import FLOOD_FLAGS
     from mlx_nursery.server.serve import find_openblas
 
-    trace = tempfile.mktemp(suffix=".json")
-    env = dict(os.environ, MLX_NURSERY_KV_DIR=tempfile.mkdtemp(prefix="flood-kv-"))
+    scratch = tempfile.mkdtemp(prefix="flood-trace-")  # the trace and the disk tier
+    trace = os.path.join(scratch, "trace.json")
+    env = dict(os.environ, MLX_NURSERY_KV_DIR=os.path.join(scratch, "kv"))
     if find_openblas():
         env["LD_PRELOAD"] = find_openblas()
     server = subprocess.Popen(
@@ -138,10 +140,12 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait()
+        shutil.rmtree(os.path.join(scratch, "kv"), ignore_errors=True)  # the trace stays
     turns = ", ".join(f"{t:.2f}" for t in flood.turn_seconds)
     print(f"B's turns [{turns}] s; A {flood.agent_tokens_per_second:.1f} tok/s over "
           f"{flood.seconds:.1f} s; rows paused {flood.paused}")
     report(trace, flood.seconds)
+    print(f"\nthe trace (every GPU call): {trace}")
     return 0
 
 
