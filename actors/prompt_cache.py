@@ -415,8 +415,9 @@ class PromptCacheActor:
             self._post_disk()
             return None
         finally:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(disk_cache.remove, self.disk.read(entry))
+            if doomed := self.disk.read(entry):  # unindexed while it loaded
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(disk_cache.remove, doomed)
         self.stats.post(
             Count(Metric.PROMPT_CACHE_DISK_HITS),
             Count(Metric.PROMPT_CACHE_DISK_READ_BYTES, entry.nbytes),
