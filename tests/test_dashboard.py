@@ -33,6 +33,7 @@ async def browse(url: str, *flags: str) -> trio.CompletedProcess:
 async def test_the_dashboard_shows_the_live_rows_and_updates_without_console_errors():
     with trio.fail_after(TIMEOUT):
         async with running_server(batch=8) as (url, _), trio.open_nursery() as nursery:
+
             async def agent(i: int) -> None:
                 # rows long enough to outlive both page loads: a row that ends while the
                 # page takes its snapshots leaves a gap until its agent's next request
