@@ -995,6 +995,13 @@ def _against(values: list[float], base: float, digits: int) -> str:
     return f"{m:.{digits}f} ({m / base:.2f}x)"
 
 
+def _beside(reports: list, phase: str) -> str:
+    """A's rate in ``phase`` against its rate before B, in the same runs (median)."""
+    ratios = [getattr(r, phase) / r.agent_before for r in reports
+              if getattr(r, phase) is not None and r.agent_before]  # fmt: skip
+    return f"{statistics.median(ratios):.2f}x" if ratios else "-"
+
+
 def flood(model: str, label: str, repeats: int) -> None:
     """Issue #25's flood (``server/flood.py``): B's turns alone, A's sub-agents
     alone, then both, with sessions (pausing on, and off) and without (every
@@ -1020,9 +1027,12 @@ def flood(model: str, label: str, repeats: int) -> None:
             turns = ", ".join(f"{t:.2f}" for t in report.turn_seconds)
             cached = ", ".join(f"{c:.2f}" for c in report.history_cached)
             rate = report.agent_tokens_per_second
+            phases = "/".join("-" if v is None else f"{v:.1f}" for v in
+                              (report.agent_before, report.agent_in_turns, report.agent_between))
             print(f"  flood {name}: B turns [{turns}] s, cached [{cached}], A "
-                  f"{'-' if rate is None else f'{rate:.1f}'} tok/s, paused {report.paused}, "
-                  f"errors {len(report.errors)}", flush=True)  # fmt: skip
+                  f"{'-' if rate is None else f'{rate:.1f}'} tok/s (before/in turns/between "
+                  f"{phases}), paused {report.paused}, errors {len(report.errors)}",
+                  flush=True)  # fmt: skip
     solo = statistics.median(t for rep in runs["B alone"] for t in rep.turn_seconds)
     alone = statistics.median(rep.agent_tokens_per_second for rep in runs["A alone"])
     rows = []
@@ -1036,7 +1046,9 @@ def flood(model: str, label: str, repeats: int) -> None:
         worst = f"{max(turns):.2f}" if turns else "-"
         paused = sum(rep.paused for rep in reps)
         total = _against([rep.tokens_per_second for rep in reps], alone, 1)
-        rows.append(f"| {name} | {b} | {worst} | {c} | {a} | {total} | {paused} |")
+        during, between = (_beside(reps, phase) for phase in ("agent_in_turns", "agent_between"))
+        rows.append(f"| {name} | {b} | {worst} | {c} | {a} | {total} | {paused} | {during} | "
+                    f"{between} |")  # fmt: skip
     spec = FloodSpec(url="")
     body = (
         f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; float32; {label}; "
@@ -1051,10 +1063,13 @@ def flood(model: str, label: str, repeats: int) -> None:
         "turn: request to last token (median, and its ratio to B alone; worst); cached: "
         "the least share of a turn's history (the last turn's prompt and answer) served "
         "from the prompt cache; A's and everyone's completion tok/s over B's run (ratio "
-        "to A alone).\n\n"
+        f"to A alone). The last two columns are A's tok/s while B's turns ran and in B's "
+        f"gaps, against A's own over the {spec.before:g} s before B's first turn in the "
+        "same server (the host's drift between runs does not reach them).\n\n"
         "| run | B's turn, median (s) | B's worst turn (s) | B's history cached | "
-        "A's tok/s | everyone's tok/s | rows paused |\n"
-        "| --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows)
+        "A's tok/s | everyone's tok/s | rows paused | A during B's turns | A between "
+        "B's turns |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows)
     )
     print(body, flush=True)
     _write_section("flood", body)

@@ -9,7 +9,9 @@ the main agent talked before it fanned out. Measured: each later B turn's
 latency (request to its last token: what the user waits for), how much of each
 B turn's history (the last turn's prompt and answer) the prompt cache served,
 and A's completion tok/s over B's run (the server's generated-token count, less
-B's), and everyone's.
+B's), and everyone's. A's rate is also taken apart in the same server: over
+``before`` seconds ahead of B's first turn, while B's turns run, and in B's
+gaps; the host's drift between runs cannot move these ratios.
 
 ``docs/sessions.md`` reports it; ``bench/benchsuite.py --flood`` runs it against
 a server with and without sessions, and ``tests/test_sessions.py`` on the golden
@@ -42,6 +44,7 @@ class FloodSpec:
     agent_tokens: int = 128  # each A answer
     turn_tokens: int = 32  # each B answer
     gap: float = 1.0  # seconds between B's turns (the user reads, a tool runs)
+    before: float = 10.0  # seconds A is measured, once warm, before B's first turn
     # B's first turn waits until A has finished this many requests (A's steady
     # state: every sub-agent past its first prefill), or ``warmup_timeout``.
     warmup_requests: int = 24
@@ -63,6 +66,11 @@ class FloodReport:
     seconds: float  # the measured window
     paused: int  # rows the server paused meanwhile (its /stats)
     errors: tuple[str, ...]
+    # A's tok/s in the same server: before B's first turn, while B's turns ran,
+    # and between them (None: A or B not in this run, or the phase never ran).
+    agent_before: float | None = None
+    agent_in_turns: float | None = None
+    agent_between: float | None = None
 
     @property
     def turn_median(self) -> float | None:
@@ -138,6 +146,19 @@ async def run_flood(spec: FloodSpec, *, agents: bool = True, main: bool = True) 
             u = out["usage"]
             return u["input_tokens"] + u["cache_read_input_tokens"] + u["output_tokens"]
 
+        # The server's tokens and seconds by phase, read at each boundary: the
+        # phase that just ended gets what was generated since the last read.
+        phases = {"before": [0.0, 0], "turns": [0.0, 0], "gaps": [0.0, 0]}
+        last = [0.0, 0]
+
+        async def lap(ended: str | None, less: int = 0) -> None:
+            generated, _ = await _generated(client)
+            now = time.perf_counter()
+            if ended is not None:
+                phases[ended][0] += now - last[0]
+                phases[ended][1] += generated - last[1] - less
+            last[:] = [now, generated]
+
         # B talked before it fanned out: its history is warm, as in a session
         history = size(await turn(0)) if main else None
         async with trio.open_nursery() as nursery:
@@ -146,15 +167,21 @@ async def run_flood(spec: FloodSpec, *, agents: bool = True, main: bool = True) 
                     nursery.start_soon(agent, i)
                 with trio.move_on_after(spec.warmup_timeout):
                     await warm.wait()
+                if main and spec.before > 0:
+                    await lap(None)
+                    await trio.sleep(spec.before)
             before_tokens, before_paused = await _generated(client)
             start = time.perf_counter()
             if main:
+                await lap("before" if agents and spec.before > 0 else None)
                 for n in range(1, spec.turns + 1):
                     if n > 1:
                         await trio.sleep(spec.gap)
+                        await lap("gaps")
                     t0 = time.perf_counter()
                     out = await turn(n)
                     turns.append(time.perf_counter() - t0)
+                    await lap("turns", 0 if out is None else out["usage"]["output_tokens"])
                     if out is None:
                         break
                     if history is not None:
@@ -168,5 +195,6 @@ async def run_flood(spec: FloodSpec, *, agents: bool = True, main: bool = True) 
             stop.set()
         total = (after_tokens - before_tokens) / seconds
         rate = (after_tokens - before_tokens - b_tokens) / seconds if agents else None
+        by_phase = [t / s if agents and main and s > 0 else None for s, t in phases.values()]
         return FloodReport(tuple(turns), tuple(cached), rate, total, finished, seconds,
-                           after_paused - before_paused, tuple(errors))  # fmt: skip
+                           after_paused - before_paused, tuple(errors), *by_phase)  # fmt: skip

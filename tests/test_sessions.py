@@ -227,7 +227,7 @@ async def flood_over_http(sessions: bool) -> FloodReport:
                               pause_after=0.1) as (url, _):  # fmt: skip
         spec = FloodSpec(url, agents=6, turns=3, history_words=120, agent_system_words=20,
                          task_words=20, agent_tokens=40, turn_tokens=8, gap=0.3,
-                         warmup_requests=6, sessions=sessions)  # fmt: skip
+                         before=0.5, warmup_requests=6, sessions=sessions)  # fmt: skip
         with trio.fail_after(120):
             return await run_flood(spec)
 
@@ -239,6 +239,7 @@ async def test_a_main_agents_history_stays_cached_through_a_sub_agent_flood_over
     assert report.errors == () and report.agent_requests >= 6
     assert len(report.turn_seconds) == 3 and len(report.history_cached) == 3
     assert min(report.history_cached) >= 0.9, report
+    assert all(r > 0 for r in (report.agent_before, report.agent_in_turns, report.agent_between))
     fifo = await flood_over_http(sessions=False)
     assert fifo.errors == ()
     assert max(fifo.history_cached) < 0.5, fifo
