@@ -206,13 +206,8 @@ class DiskEntry:
     used: float  # last written or loaded (the file's mtime across restarts)
 
     def usable(self, prompt: np.ndarray) -> int:
-        """How many of ``prompt``'s tokens this entry can serve (the last prompt
-        token is always forwarded)."""
-        limit = len(prompt) - 1
-        shared = shared_length(self.tokens, prompt)
-        if self.trimmable:
-            return min(shared, limit)
-        return len(self.tokens) if shared == len(self.tokens) <= limit else 0
+        """How many of ``prompt``'s tokens this entry can serve."""
+        return serves(self.tokens, self.trimmable, prompt)
 
     def covers(self, tokens: np.ndarray) -> bool:
         return holds(self.tokens, self.trimmable, tokens)
@@ -223,6 +218,16 @@ def shared_length(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if differ.size else n
+
+
+def serves(held: np.ndarray, trimmable: bool, prompt: np.ndarray) -> int:
+    """How many of ``prompt``'s tokens an entry of ``held`` tokens can serve (the
+    last prompt token is always forwarded)."""
+    limit = len(prompt) - 1
+    shared = shared_length(held, prompt)
+    if trimmable:
+        return min(shared, limit)
+    return len(held) if shared == len(held) <= limit else 0
 
 
 def holds(held: np.ndarray, trimmable: bool, tokens: np.ndarray) -> bool:

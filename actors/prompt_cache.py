@@ -278,6 +278,9 @@ class PendingWrite:
     def covers(self, tokens: np.ndarray) -> bool:
         return holds(self.tokens, self.trimmable, tokens)
 
+    def usable(self, prompt: np.ndarray) -> int:
+        return disk_cache.serves(self.tokens, self.trimmable, prompt)
+
 
 @attrs.define(eq=False)
 class PromptCacheActor:
@@ -296,7 +299,7 @@ class PromptCacheActor:
     # take): pinned while seen within PIN_SECONDS.
     _pins: dict[str, tuple[tuple[int, ...], float]] = attrs.field(factory=dict, init=False)
     _handling: bool = attrs.field(default=False, init=False)  # a message in hand
-    _writing: bool = attrs.field(default=False, init=False)  # a write in hand
+    _writing: PendingWrite | None = attrs.field(default=None, init=False)  # in hand
     _moved: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each
 
     def __attrs_post_init__(self) -> None:
@@ -380,23 +383,29 @@ class PromptCacheActor:
             return Hit(None, 0)
         if self.disk is None:
             return hit
-        entry, usable = self.disk.nearest(tokens)
+        mine = as_tokens(tokens)
+        held, kept = self._held(mine)
+        entry, usable = self.disk.nearest(mine)
+        if held is not None and kept > hit.cached and kept >= usable:
+            # Evicted from memory, its write still queued or under way: its KV
+            # is in memory yet, so it serves without a load.
+            caches = await self.gpu.call_here(_cut, held.caches, len(held.tokens) - kept)
+            return Hit(caches, kept, _served(hit.report, tokens, kept, CacheTier.MEMORY))
         if entry is None or usable <= hit.cached:
             return hit
         caches = await self._load(entry, len(entry.tokens) - usable)
         if caches is None:
             return hit
-        report = hit.report or CacheReport(CacheReason.NO_ENTRY)
-        full = usable >= len(tokens) - 1
-        report = attrs.evolve(
-            report,
-            reason=CacheReason.FULL if full else report.reason,
-            cached=usable,
-            shared=max(report.shared, usable),
-            diverged_at=None if full else max(usable, report.diverged_at or 0),
-            tier=CacheTier.DISK,
-        )
-        return Hit(caches, usable, report)
+        return Hit(caches, usable, _served(hit.report, tokens, usable, CacheTier.DISK))
+
+    def _held(self, prompt: np.ndarray) -> tuple[PendingWrite | None, int]:
+        """The queued (or writing) entry serving most of ``prompt``, and how many."""
+        best, most = None, 0
+        for job in [*self._pending, *([self._writing] if self._writing else [])]:
+            n = job.usable(prompt)
+            if n > most:
+                best, most = job, n
+        return best, most
 
     async def _load(self, entry: DiskEntry, trim: int) -> list[Any] | None:
         """One file's caches, cut back by ``trim`` tokens; None if the file is bad
@@ -437,11 +446,23 @@ class PromptCacheActor:
                 self._queue_write(put)
 
     def _queue_write(self, put: Put, delay: float = 0.0) -> None:
+        """Queue ``put``'s write, due in ``delay`` seconds. Where a queued write
+        holds it already, that one falls due no later: memory evicting an entry
+        whose put queued it (its session's pinned latest, when the pins outgrew
+        the cap) must not wait out the put's delay, or the session's next turn
+        a second later finds neither memory nor disk holding it."""
         tokens = as_tokens(put.tokens)
-        if self.disk.covered(tokens) or any(p.covers(tokens) for p in self._pending):
+        due = trio.current_time() + delay
+        if self.disk.covered(tokens):
+            return
+        holding = [p for p in self._pending if p.covers(tokens)]
+        for p in holding:
+            p.due = min(p.due, due)
+        if holding:
+            self._wake.set()
             return
         trimmable = can_trim_prompt_cache(put.caches)
-        job = PendingWrite(tokens, put.caches, put.kind, trimmable, trio.current_time() + delay)
+        job = PendingWrite(tokens, put.caches, put.kind, trimmable, due)
         # A longer entry that can be cut back makes a queued prefix of it moot.
         kept = [p for p in self._pending if not (job.trimmable and job.covers(p.tokens))]
         self._pending = [*kept, job]
@@ -459,11 +480,11 @@ class PromptCacheActor:
                 await self._nudged()
                 continue
             self._pending.remove(job)
-            self._writing = True
+            self._writing = job
             try:
                 await self._write(job)
             finally:
-                self._writing = False
+                self._writing = None
                 self._post_disk()
                 self._step()
 
@@ -521,13 +542,36 @@ class PromptCacheActor:
         self._wake.set()
         try:
             with trio.move_on_after(seconds):
-                while (self._pending or self._handling or self._writing
+                while (self._pending or self._handling or self._writing is not None
                        or self.inbox.statistics().current_buffer_used):  # fmt: skip
                     await self._moved.wait()
                 return True
             return False
         finally:
             self._hurry = False
+
+
+def _served(report: CacheReport | None, tokens: Sequence[int], usable: int,
+            tier: CacheTier) -> CacheReport:  # fmt: skip
+    """Memory's report for a take another source served ``usable`` tokens of."""
+    report = report or CacheReport(CacheReason.NO_ENTRY)
+    full = usable >= len(tokens) - 1
+    return attrs.evolve(
+        report,
+        reason=CacheReason.FULL if full else report.reason,
+        cached=usable,
+        shared=max(report.shared, usable),
+        diverged_at=None if full else max(usable, report.diverged_at or 0),
+        tier=tier,
+    )
+
+
+def _cut(caches: Sequence[Any], trim: int) -> list[Any]:
+    """Clones of a held entry's caches, cut back by ``trim`` tokens (GPU thread)."""
+    out = [clone(c) for c in caches]
+    if trim:
+        trim_prompt_cache(out, trim)
+    return out
 
 
 def _loaded(path: Any, trim: int) -> list[Any]:

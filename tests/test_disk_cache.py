@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 from pathlib import Path
 
 import httpx
@@ -278,3 +279,48 @@ def test_an_entry_superseded_while_it_loads_keeps_its_file_until_the_load_ends(t
     assert tier.read(longer) == []
     again = tier.write(disk_cache.as_tokens([*prompt, 9]), frozen(41), "assistant")
     assert tier.add(again) == [longer]
+
+
+async def test_an_evicted_entry_serves_from_memory_until_its_write_lands(tmp_path, monkeypatch):
+    """The flood found it: when the pins outgrew the cap, memory let go of the main
+    agent's newest history at its put, and the disk write its put had queued was
+    not due for ten seconds, so its next turn a second later found an older
+    entry (86-88% of its history). Memory letting an entry go now makes its
+    queued write due at once, and until the write lands the entry's KV (held
+    for it) serves takes from memory."""
+    from mlx_nursery.actors import disk_cache
+
+    monkeypatch.setattr(disk_cache, "WRITE_DELAY", 600.0)  # a put's own write: not due here
+    writing, release = threading.Event(), threading.Event()
+    write = disk_cache.DiskTier.write
+
+    def held(self, *args):
+        writing.set()
+        release.wait(60)
+        return write(self, *args)
+
+    monkeypatch.setattr(disk_cache.DiskTier, "write", held)
+    first_prompt = prompt_of(300)
+    try:
+        async with checked_engine(
+            "llama", prompt_cache_dir=str(tmp_path / "tier"), prompt_cache_size=1
+        ) as engine:  # fmt: skip
+            first = await engine.generate(first_prompt, max_tokens=4)  # its write: in 600 s
+            await engine.generate(prompt_of(301), max_tokens=4)  # memory lets first's go
+            with trio.fail_after(30):  # first's write falls due now, not in 600 s
+                while not writing.is_set():  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            follow_up = [*first_prompt, *first.tokens, 7, 8, 9]
+            again = await engine.generate(follow_up, max_tokens=6)
+            assert again.usage.cache.tier is CacheTier.MEMORY
+            assert again.usage.cached_tokens >= len(first_prompt)
+            assert engine.stats().prompt_cache_disk_hits == 0
+            release.set()
+            assert await engine.flush_prompt_cache()
+            # first's, the second's (the follow-up's put let it go) and the follow-up's
+            assert engine.stats().prompt_cache_disk_writes == 3
+    finally:
+        release.set()
+    async with checked_engine("llama", prompt_cache_size=0) as engine:
+        fresh = await engine.generate(follow_up, max_tokens=6)
+    assert again.tokens == fresh.tokens
