@@ -37,7 +37,7 @@ import shutil
 import struct
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +230,17 @@ def serves(held: np.ndarray, trimmable: bool, prompt: np.ndarray) -> int:
     return len(held) if shared == len(held) <= limit else 0
 
 
+def serving_most(entries: Iterable[Any], prompt: np.ndarray) -> tuple[Any | None, int]:
+    """Of ``entries`` (each with ``usable``), the one serving most of ``prompt``,
+    and how many tokens (None and 0 when none serves any)."""
+    best, most = None, 0
+    for entry in entries:
+        n = entry.usable(prompt)
+        if n > most:
+            best, most = entry, n
+    return best, most
+
+
 def holds(held: np.ndarray, trimmable: bool, tokens: np.ndarray) -> bool:
     """Whether an entry of ``held`` tokens holds ``tokens``' KV: the same tokens,
     or more that start with them, where the entry can be cut back."""
@@ -303,13 +314,7 @@ class DiskTier:
     # event loop
     def nearest(self, prompt: Sequence[int]) -> tuple[DiskEntry | None, int]:
         """The entry serving most of ``prompt``, and how many tokens."""
-        mine = as_tokens(prompt)
-        best, most = None, 0
-        for entry in self.entries.values():
-            n = entry.usable(mine)
-            if n > most:
-                best, most = entry, n
-        return best, most
+        return serving_most(self.entries.values(), as_tokens(prompt))
 
     def covered(self, tokens: np.ndarray) -> bool:
         return any(e.covers(tokens) for e in self.entries.values())

@@ -400,12 +400,8 @@ class PromptCacheActor:
 
     def _held(self, prompt: np.ndarray) -> tuple[PendingWrite | None, int]:
         """The queued (or writing) entry serving most of ``prompt``, and how many."""
-        best, most = None, 0
-        for job in [*self._pending, *([self._writing] if self._writing else [])]:
-            n = job.usable(prompt)
-            if n > most:
-                best, most = job, n
-        return best, most
+        jobs = [*self._pending, *([] if self._writing is None else [self._writing])]
+        return disk_cache.serving_most(jobs, prompt)
 
     async def _load(self, entry: DiskEntry, trim: int) -> list[Any] | None:
         """One file's caches, cut back by ``trim`` tokens; None if the file is bad

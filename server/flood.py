@@ -159,6 +159,7 @@ async def run_flood(spec: FloodSpec, *, agents: bool = True, main: bool = True) 
                 phases[ended][1] += generated - last[1] - less
             last[:] = [now, generated]
 
+        before = agents and main and spec.before > 0  # A measured ahead of B's turns
         # B talked before it fanned out: its history is warm, as in a session
         history = size(await turn(0)) if main else None
         async with trio.open_nursery() as nursery:
@@ -167,13 +168,13 @@ async def run_flood(spec: FloodSpec, *, agents: bool = True, main: bool = True) 
                     nursery.start_soon(agent, i)
                 with trio.move_on_after(spec.warmup_timeout):
                     await warm.wait()
-                if main and spec.before > 0:
+                if before:
                     await lap(None)
                     await trio.sleep(spec.before)
             before_tokens, before_paused = await _generated(client)
             start = time.perf_counter()
             if main:
-                await lap("before" if agents and spec.before > 0 else None)
+                await lap("before" if before else None)
                 for n in range(1, spec.turns + 1):
                     if n > 1:
                         await trio.sleep(spec.gap)
