@@ -319,7 +319,7 @@ async def open_engine(
     try:
         loaded, tokenizer, info = await gpu.call_here(
             load_model, model, settings.dtype, group, settings.ragged_attention,
-            settings.cpu_softmax,
+            settings.cpu_softmax, settings.trust_remote_code,
         )  # fmt: skip
         if sharded and group.rank() != 0:
             await gpu.call_here(follow, loaded, group)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ def load_model(
     group: Any = None,
     ragged_attention: bool = True,
     cpu_softmax: bool = True,
+    trust_remote_code: bool = False,
 ) -> tuple[Any, Any, ModelInfo]:
     """Load (a directory, hub id or GGUF file; or take a ``(model, tokenizer)``
     pair), cast (see :func:`cast`), and inspect the model's caches.
@@ -57,7 +59,9 @@ def load_model(
         if sharded:
             model, tokenizer = sharded_load(resolve(model, float_dtype(dtype)), group)
         else:
-            model, tokenizer = load(str(resolve(model, float_dtype(dtype))))
+            path = resolve(model, float_dtype(dtype))
+            _check_model_file(path, trust_remote_code)
+            model, tokenizer = load(str(path), trust_remote_code=trust_remote_code)
     elif sharded:
         raise ValueError("a sharded engine loads its model itself: pass a path, not a model")
     else:
@@ -84,6 +88,22 @@ def load_model(
         else None,
     )
     return model, tokenizer, info
+
+
+def _check_model_file(path: Path | str, trusted: bool) -> None:
+    """A directory whose config names its own architecture file runs that file:
+    refused unless the caller trusts it (``--trust-remote-code``)."""
+    config = Path(path) / "config.json"
+    if trusted or not config.is_file():
+        return
+    model_file = json.loads(config.read_text()).get("model_file")
+    if model_file is not None:
+        raise InvalidRequest(
+            f"the model at {path} builds its architecture from its own Python file "
+            f"({model_file!r}), which runs in this process: serve it with "
+            "--trust-remote-code if you trust it",
+            param="trust_remote_code",
+        )
 
 
 def load_draft(

@@ -152,6 +152,11 @@ class EngineSettings:
         help=f"weights dtype, one of {', '.join(DTYPES)}; auto casts to float32 on a CPU "
         "device, where it is the fast dtype",
     )  # fmt: skip
+    trust_remote_code: bool = setting(
+        False, validator=_boolean,
+        help="load a model whose config names its own architecture file (``model_file``, "
+        "as mlx-lm's ``trust_remote_code``): that file runs as Python in this process",
+    )  # fmt: skip
     prompt_cache_size: int = setting(
         10, validator=_at_least(0), help="most prompt-cache entries; 0 turns the cache off"
     )

@@ -172,10 +172,21 @@ def _schema(tool: Mapping[str, Any]) -> dict:
     }
 
 
-def _calls_schema(tools: Sequence[Mapping[str, Any]]) -> dict:
-    """One call to any of ``tools``, compact (no free whitespace for a model to loop on)."""
+def _calls_schema(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat = GENERIC) -> dict:
+    """One call to any of ``tools``, with no free whitespace for a model to loop
+    on: compact in the generic format; in a template's own, spaced as the template
+    writes earlier calls (``tojson``: ``", "`` and ``": "``), which is what a model
+    trained on it writes."""
     schema = _schema(tools[0]) if len(tools) == 1 else {"anyOf": [_schema(t) for t in tools]}
-    return {"x-guidance": {"whitespace_flexible": False}, **schema}
+    spacing = {"item_separator": ", ", "key_separator": ": "} if fmt.native else {}
+    return {"x-guidance": {"whitespace_flexible": False, **spacing}, **schema}
+
+
+def _body(fmt: ToolFormat) -> str:
+    """A call's body in the grammar: a template's own format puts a newline on
+    each side of the JSON (``<tool_call>\\n{...}\\n</tool_call>``); either may be
+    left out."""
+    return "obj" if not fmt.native else '"\\n"? obj "\\n"?'
 
 
 def call_grammar(
@@ -185,9 +196,12 @@ def call_grammar(
     if choice in ("auto", "none") or not fmt.json:
         return None
     pool = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
-    schema = _calls_schema(pool)
+    schema = _calls_schema(pool, fmt)
     repeat = "+" if parallel else ""
-    return f'start: call{repeat}\ncall: "{OPEN}" obj "{CLOSE}"\nobj: %json {json.dumps(schema)}\n'
+    return (
+        f"start: call{repeat}\ncall: {json.dumps(fmt.open)} {_body(fmt)} {json.dumps(fmt.close)}\n"
+        f"obj: %json {json.dumps(schema)}\n"
+    )
 
 
 def calls_or_answer_grammar(
@@ -199,8 +213,8 @@ def calls_or_answer_grammar(
     repeat = "+" if parallel else ""
     return (
         f"start: calls | answer\ncalls: call{repeat}\n"
-        f"call: {json.dumps(fmt.open)} obj {json.dumps(fmt.close)}\n"
-        f"obj: %json {json.dumps(_calls_schema(tools))}\n"
+        f"call: {json.dumps(fmt.open)} {_body(fmt)} {json.dumps(fmt.close)}\n"
+        f"obj: %json {json.dumps(_calls_schema(tools, fmt))}\n"
         f"answer: %json {json.dumps(schema)}\n"
     )
 
@@ -210,8 +224,8 @@ def body_grammar(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat = GENERIC) 
     once opened (None where the format's body is not JSON)."""
     if not tools or not fmt.json:
         return None
-    schema = _calls_schema(tools)
-    return f"start: obj {json.dumps(fmt.close)}\nobj: %json {json.dumps(schema)}\n"
+    schema = _calls_schema(tools, fmt)
+    return f"start: {_body(fmt)} {json.dumps(fmt.close)}\nobj: %json {json.dumps(schema)}\n"
 
 
 def system_text(tools: Sequence[Mapping[str, Any]]) -> str:

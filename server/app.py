@@ -194,6 +194,8 @@ def create_app(settings: Settings) -> QuartTrio:
     app.register_error_handler(ApiError, _async(error_response))
     app.register_error_handler(HTTPException, _async(guard.http_error))
     for path, api in APIS.items():
+        if isinstance(api, Messages):
+            api = Messages(as_sent=settings.prompt_as_sent)
         view = functools.partial(routes.generate, api)
         app.add_url_rule(path, endpoint=api.name, view_func=view, methods=["POST"])
     app.add_url_rule("/v1/messages/count_tokens", view_func=routes.count_tokens, methods=["POST"])

@@ -28,9 +28,13 @@ class _Snapshot:
     metric families; the library writes the exposition format."""
 
     def __init__(
-        self, s: StatsSnapshot, ranks: list[dict] | None = None, refusals: list[dict] = ()
+        self,
+        s: StatsSnapshot,
+        ranks: list[dict] | None = None,
+        refusals: list[dict] = (),
+        adjusted: dict[str, int] | None = None,
     ) -> None:
-        self.s, self.ranks, self.refusals = s, ranks, refusals
+        self.s, self.ranks, self.refusals, self.adjusted = s, ranks, refusals, adjusted or {}
 
     def collect(self):
         s = self.s
@@ -63,6 +67,14 @@ class _Snapshot:
         for r in self.refusals:
             refused.add_metric([r["api"], str(r["status"]), r["reason"]], r["count"])
         yield refused
+        adjusted = CounterMetricFamily(
+            f"{PREFIX}_prompt_adjusted", "Prompts the intake changed, by what it changed "
+            "(Claude Code's attribution block dropped, its early system turns moved first).",
+            labels=["kind"],
+        )  # fmt: skip
+        for kind, n in sorted(self.adjusted.items()):
+            adjusted.add_metric([kind], n)
+        yield adjusted
         if self.ranks:
             yield from _rank_families(self.ranks)
 
@@ -85,13 +97,17 @@ def _rank_families(ranks: list[dict]):
 
 
 def prometheus(
-    s: StatsSnapshot, accept: str = "", ranks: list[dict] | None = None, refusals: list[dict] = ()
+    s: StatsSnapshot,
+    accept: str = "",
+    ranks: list[dict] | None = None,
+    refusals: list[dict] = (),
+    adjusted: dict[str, int] | None = None,
 ) -> tuple[bytes, str]:
     """The snapshot (and a sharded engine's per-rank figures) as Prometheus text
     (0.0.4), or OpenMetrics when the scraper's ``Accept`` asks for it; returns
     the body and its content type."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(s, ranks, refusals))
+    registry.register(_Snapshot(s, ranks, refusals, adjusted))
     if "application/openmetrics-text" in accept:
         return openmetrics.generate_latest(registry), openmetrics.CONTENT_TYPE_LATEST
     return generate_latest(registry), CONTENT_TYPE_LATEST

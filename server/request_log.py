@@ -69,6 +69,8 @@ class RequestLog:
     # Requests answered 4xx at the HTTP layer (never reached the engine, or refused
     # by it at submit): (api, status, reason) -> count, for /stats and /metrics.
     refusals: collections.Counter = attrs.field(factory=collections.Counter)
+    # What the intake changed in prompts (``Parsed.adjusted``): kind -> count.
+    adjusted: collections.Counter = attrs.field(factory=collections.Counter)
     _failed: bool = False
 
     def refuse(self, *, api: str, status: int, reason: str, request_id: str | None) -> None:

@@ -96,6 +96,7 @@ class Routes:
         engine = self.state.engine_or_503()
         parsed = api.parse(await body_json(self.settings.body_timeout), request.headers)
         self._check_model(parsed)
+        self.state.requests.adjusted.update(parsed.adjusted)
         stream = await self._start(engine, parsed, api)
         served = Served(self.state.model_id, engine.tokenizer, stream.prompt_tokens)
         if parsed.stream:
@@ -113,7 +114,7 @@ class Routes:
         body = await body_json(self.settings.body_timeout)
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}
-        parsed = Messages().parse(body, request.headers)
+        parsed = Messages(self.settings.prompt_as_sent).parse(body, request.headers)
         try:
             tokens = len(engine.encode(parsed.prompt, **parsed.prompt_params))
         except InvalidRequest as exc:
@@ -234,6 +235,7 @@ class Routes:
         body = stats_json(engine.stats())
         body["recent_requests"] = list(self.state.requests.recent)
         body["refusals"] = self.state.requests.refusal_figures()
+        body["prompt_adjusted"] = dict(self.state.requests.adjusted)
         ranks = engine.ranks()
         if ranks is not None:
             body["ranks"] = ranks
@@ -253,7 +255,8 @@ class Routes:
         accept = request.headers.get("Accept", "")
         engine = self.state.engine_or_503()
         refusals = self.state.requests.refusal_figures()
-        body, content_type = prometheus(engine.stats(), accept, engine.ranks(), refusals)
+        adjusted = dict(self.state.requests.adjusted)
+        body, content_type = prometheus(engine.stats(), accept, engine.ranks(), refusals, adjusted)
         return Response(body, content_type=content_type)
 
 

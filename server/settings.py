@@ -61,6 +61,12 @@ class Settings:
     body_timeout: float = setting(
         30.0, help="seconds for a request body to arrive, else 408"
     )
+    prompt_as_sent: bool = setting(
+        False, help="render Claude Code's Messages requests as sent: by default its "
+        "attribution block (x-anthropic-billing-header: ..., which hashes the first user "
+        "message) is dropped and the system turns before the first answer join the system "
+        "prompt, so every conversation and sub-agent of a client shares the prompt cache",
+    )  # fmt: skip
     request_log: Path | None = setting(
         None, parse=Path, shown="none",
         help="append one JSON line per finished request to FILE: timings and prompt-cache "

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import trio
 from conftest import GOLDENS, server_process
+from mlx_nursery.server.api.messages import DROPPED_ATTRIBUTION, SYSTEM_FIRST
 from mlx_nursery.server.api.messages import HONOURED as MESSAGES_HONOURED
 from mlx_nursery.server.api.messages import IGNORED as MESSAGES_IGNORED
 from mlx_nursery.server.api.messages import parse_messages
@@ -28,20 +29,96 @@ def fixture(name: str) -> dict:
     return json.loads((FIXTURES / f"{name}.json").read_text())
 
 
-def test_claude_codes_request_is_read_as_sent():
+def test_claude_codes_request_is_read_with_its_shared_parts_first():
+    """By default the attribution block is dropped and the system turn Claude Code
+    sends after the first user message (agent types and skills) joins the system
+    prompt: what every conversation and sub-agent shares comes first."""
     sent = fixture("claude_code_messages")
     body, headers = sent["body"], sent["headers"]
     assert {"context_management", "output_config", "thinking"} <= set(body)
     parsed = parse_messages(body, headers)
     assert parsed.session == headers["x-claude-code-session-id"]
-    roles = [m["role"] for m in parsed.prompt]
-    # the system blocks first, then the turns, the mid-conversation system turn in its place
-    assert roles[0] == "system" and roles.count("system") == 2
-    assert roles.index("system", 1) == 1 + [m["role"] for m in body["messages"]].index("system")
+    assert [m["role"] for m in parsed.prompt] == ["system", "user"]
+    system = parsed.prompt[0]["content"]
+    assert system.startswith(body["system"][1]["text"]) and "x-anthropic-billing" not in system
+    assert system.endswith(body["messages"][1]["content"])  # the agent types, after it
+    assert parsed.adjusted == (DROPPED_ATTRIBUTION, SYSTEM_FIRST)
     assert len(parsed.params["tools"]) == len(body["tools"]) and not parsed.ignored_tools
     assert parsed.params["max_tokens"] == body["max_tokens"]
     assert "chat_template_kwargs" not in parsed.params  # adaptive thinking: the model decides
     assert parsed.model is None  # claude-* names are served by this server's model
+
+
+def test_claude_codes_request_as_sent():
+    sent = fixture("claude_code_messages")
+    body = sent["body"]
+    parsed = parse_messages(body, sent["headers"], as_sent=True)
+    roles = [m["role"] for m in parsed.prompt]
+    # the system blocks first, then the turns, the mid-conversation system turn in its place
+    assert roles == ["system", "user", "system"] and not parsed.adjusted
+    assert parsed.prompt[0]["content"].startswith(body["system"][0]["text"])
+
+
+def _with(body: dict, system: list | str | None = None, prompt: str | None = None) -> dict:
+    out = json.loads(json.dumps(body))
+    if system is not None:
+        out["system"] = system
+    if prompt is not None:
+        out["messages"][0]["content"][-1]["text"] = prompt
+    return out
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "x-anthropic-billing-header: cc_version=2.1.197.3d1; cc_entrypoint=sdk-cli;",
+        "x-anthropic-billing-header: cc_version=2.1.197.ec9; cc_entrypoint=cli; cc_is_subagent=true;",
+        "x-anthropic-billing-header: cc_version=2.2.0.a0f; cc_entrypoint=claude-vscode; cch=00000; "
+        "cc_workload=ci;",
+    ],
+)
+def test_the_attribution_block_is_dropped_in_each_of_its_forms(line):
+    body = fixture("claude_code_messages")["body"]
+    parsed = parse_messages(_with(body, [{"type": "text", "text": line}, *body["system"][1:]]))
+    assert DROPPED_ATTRIBUTION in parsed.adjusted
+    assert "x-anthropic-billing-header" not in parsed.prompt[0]["content"]
+
+
+def test_only_the_attribution_block_is_dropped():
+    """A look-alike elsewhere, with more text, or of another form stays in the prompt."""
+    body = fixture("claude_code_messages")["body"]
+    line, rest = body["system"][0], body["system"][1:]
+    block = {"type": "text", "text": line["text"]}
+    kept = [
+        [rest[0], block, *rest[1:]],  # the same line, not first
+        [{"type": "text", "text": line["text"] + " Be brief."}, *rest],  # more than the line
+        [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2; tier=pro;"}, *rest],
+        [{"type": "text", "text": " " + line["text"]}, *rest],
+        line["text"],  # a plain string system prompt: the client's own text
+    ]
+    for system in kept:
+        parsed = parse_messages(_with(body, system))
+        assert DROPPED_ATTRIBUTION not in parsed.adjusted, system
+        assert "x-anthropic-billing-header: cc_version=" in parsed.prompt[0]["content"]
+
+
+def test_two_conversations_differ_only_in_their_last_message():
+    """Two conversations (another first message, so another attribution hash) render
+    the same system prompt, tools and system turn, and differ only in the user
+    message, which comes last: a second conversation finds all before it cached."""
+    body = fixture("claude_code_messages")["body"]
+    other = _with(body, prompt="say bye")
+    other["system"][0]["text"] = other["system"][0]["text"].replace(".123;", ".9fe;")
+    one, two = parse_messages(body), parse_messages(other)
+    assert one.prompt[:-1] == two.prompt[:-1] and one.params == two.params
+    assert one.prompt[-1] != two.prompt[-1] and one.prompt[-1]["role"] == "user"
+    # a later turn of the conversation still extends its first request
+    later = json.loads(json.dumps(body))
+    later["messages"] += [{"role": "assistant", "content": "hi"},
+                          {"role": "user", "content": "and again"},
+                          {"role": "system", "content": "a reminder"}]  # fmt: skip
+    turns = parse_messages(later).prompt
+    assert turns[: len(one.prompt)] == one.prompt and turns[-1]["role"] == "system"
 
 
 def test_codexs_request_is_read_as_sent():

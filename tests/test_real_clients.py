@@ -14,33 +14,15 @@ protocol is under test, not the answers.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import trio
-from conftest import GOLDENS, server_process
-from recording import Exchange, Recording
+from clients import assert_all_2xx, client_bin, posts, quiet_env, recorded_run
+from conftest import GOLDENS
 
 pytestmark = pytest.mark.slow
-
-CLIENTS = Path(
-    os.environ.get("MLX_NURSERY_CLIENTS") or Path.home() / ".cache" / "mlx-nursery" / "clients"
-)
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "clients"
-RUN_TIMEOUT = 400
-
-
-def client_bin(name: str) -> str:
-    path = CLIENTS / "node_modules" / ".bin" / name
-    if not path.exists():
-        pytest.fail(f"{name} is not installed in {CLIENTS}: `make clients` installs the pinned "
-                    "real clients (npm)")  # fmt: skip
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -49,51 +31,6 @@ def client_model() -> str:
     from make_client_model import ensure
 
     return str(ensure())
-
-
-def quiet_env(home: Path, **extra: str) -> dict[str, str]:
-    """A fresh HOME, no telemetry, and nothing from this process's environment
-    but the PATH (node)."""
-    home.mkdir(parents=True, exist_ok=True)
-    path = os.pathsep.join([str(Path(shutil.which("node") or "/usr/bin/node").parent),
-                            "/usr/bin", "/bin"])  # fmt: skip
-    return {"PATH": path, "HOME": str(home), "TERM": "dumb", "NO_COLOR": "1",
-            "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1", **extra}  # fmt: skip
-
-
-async def run_client(argv: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
-    await trio.Path(cwd).mkdir(parents=True, exist_ok=True)
-    with trio.fail_after(RUN_TIMEOUT):
-        return await trio.run_process(argv, env=env, cwd=cwd, capture_stdout=True,
-                                      capture_stderr=True, check=False,
-                                      stdin=subprocess.DEVNULL)  # fmt: skip
-
-
-def assert_all_2xx(exchanges: list[Exchange], done: subprocess.CompletedProcess) -> None:
-    said = (done.stdout + done.stderr).decode(errors="replace")[-3000:]
-    assert exchanges, f"the client sent nothing: {said}"
-    bad = [(e.method, e.target, e.status, e.response[:300]) for e in exchanges
-           if e.status is None or not 200 <= e.status < 300]  # fmt: skip
-    assert not bad, (bad, said)
-    assert done.returncode == 0, said
-
-
-async def recorded_run(
-    client: Callable[[int], tuple[list[str], dict]], cwd: Path, *server_args: str
-) -> tuple[list[Exchange], subprocess.CompletedProcess]:
-    """A server (``server_args``), the recording proxy in front of it, and one run
-    of the client that ``client(proxy_port)`` gives as (argv, env); what the
-    client sent and got, and how it ended."""
-    async with server_process(*server_args, openblas=True) as (url, _):
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        rec = Recording((host, int(port)))
-        async with trio.open_nursery() as nursery:
-            await nursery.start(rec.serve)
-            argv, env = client(rec.port)
-            done = await run_client(argv, env, cwd)
-            nursery.cancel_scope.cancel()
-    return rec.exchanges(), done
 
 
 def claude_code(home: Path) -> Callable[[int], tuple[list[str], dict]]:
@@ -106,10 +43,6 @@ def claude_code(home: Path) -> Callable[[int], tuple[list[str], dict]]:
         return [claude, "-p", "say hi"], env
 
     return run
-
-
-def posts(exchanges: list[Exchange], path: str) -> list[Exchange]:
-    return [e for e in exchanges if e.method == "POST" and e.target.split("?")[0] == path]
 
 
 async def test_claude_code_runs_unchanged(client_model, tmp_path):

@@ -77,6 +77,10 @@ class Parsed:
     # Tools the request named that this server cannot run (hosted ones: web search,
     # MCP servers...): left out of the prompt, listed in the X-Ignored-Tools header.
     ignored_tools: tuple[str, ...] = ()
+    # What the intake changed in the prompt, by kind (Claude Code's attribution
+    # block dropped, its early system turns moved first: see ``api/messages.py``);
+    # counted in /stats and /metrics.
+    adjusted: tuple[str, ...] = ()
     # A flattened tool's name as the model sees it -> (namespace, name) as the
     # client knows it (Responses' namespace tools).
     tool_names: Mapping[str, tuple[str, str]] = attrs.field(factory=dict)

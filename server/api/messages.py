@@ -8,11 +8,28 @@ Request in: ``system``, content blocks (``text``, ``tool_use``, ``tool_result``;
 OpenAI routes produce. Engine results and events in: Anthropic's message and its
 stream events out. ``cache_control`` blocks are accepted: the prompt cache keeps
 prefixes by itself, so they are a hint with nothing to add.
+
+Two things Claude Code sends would make each of its conversations and sub-agents
+diverge from its siblings early, so that none shares the prompt cache past them
+(``docs/clients.md`` has the traffic); unless ``--prompt-as-sent``:
+
+- its system prompt opens with an attribution block,
+  ``x-anthropic-billing-header: cc_version=2.1.197.1a2; cc_entrypoint=cli;``,
+  whose last three hex digits hash the conversation's first user message (a
+  sub-agent's adds `` cc_is_subagent=true;``). Anthropic's API reads it as
+  billing metadata, not prompt. That block, the first of ``system`` and exactly
+  of :data:`ATTRIBUTION`'s form, is dropped;
+- the list of agent types and skills (5-6 kB, the same for every conversation)
+  comes as a system turn after the first user message. System turns before the
+  first answer join the system prompt, ahead of the first user message (as
+  every chat template accepts a system message: first). A conversation's later
+  requests move the same turns, so they still extend its earlier ones.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +70,16 @@ IGNORED = frozenset((
     "compaction", "fallback_credit_token", "fallbacks", "mcp_servers", "thread",
 ))  # fmt: skip
 _FIELDS = HONOURED | IGNORED
+
+# Claude Code's attribution line, as its code writes it: the version with the
+# message hash, the entry point, then the optional fields in their fixed order.
+ATTRIBUTION = re.compile(
+    r"x-anthropic-billing-header: cc_version=[0-9A-Za-z.+-]+; cc_entrypoint=[\w.-]+;"
+    r"(?: cch=[0-9a-f]+;)?(?: cc_workload=[\w.-]+;)?(?: cc_is_subagent=true;)?"
+)
+# What the intake changed in a prompt (``Parsed.adjusted``), as /stats counts it.
+DROPPED_ATTRIBUTION = "claude_code_attribution_dropped"
+SYSTEM_FIRST = "early_system_turns_moved_first"
 
 STOP_REASONS = {
     FinishReason.STOP: "end_turn",
@@ -195,7 +222,34 @@ def _tools(body: Mapping[str, Any], params: dict) -> tuple[str, ...]:
     return tuple(ignored)
 
 
-def parse_messages(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
+def _system(system: Any, as_sent: bool) -> tuple[str, tuple[str, ...]]:
+    """The system text, and what was dropped from it: the attribution block,
+    where it is the first block and nothing but the attribution line."""
+    if as_sent or not isinstance(system, list) or not system:
+        return _text(system, "system"), ()
+    first = system[0]
+    line = first.get("text") if isinstance(first, Mapping) and first.get("type") == "text" else None
+    if isinstance(line, str) and ATTRIBUTION.fullmatch(line):
+        return _text(system[1:], "system"), (DROPPED_ATTRIBUTION,)
+    return _text(system, "system"), ()
+
+
+def _system_first(chat: list[dict], system: str | None) -> tuple[list[dict], tuple[str, ...]]:
+    """The conversation with the system prompt first, joined by the system turns
+    that come before the first answer (where they stand after a user turn)."""
+    answer = next((i for i, m in enumerate(chat) if m["role"] == "assistant"), len(chat))
+    early = [i for i in range(answer) if chat[i]["role"] == "system"]
+    moved = any(chat[j]["role"] != "system" for j in range(early[-1])) if early else False
+    if not moved:
+        return ([{"role": "system", "content": system}] if system is not None else []) + chat, ()
+    texts = [t for t in (system, *(chat[i]["content"] for i in early)) if t]
+    rest = [m for i, m in enumerate(chat) if i not in early]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest], (SYSTEM_FIRST,)
+
+
+def parse_messages(
+    body: Any, headers: Mapping[str, str] | None = None, as_sent: bool = False
+) -> Parsed:
     body = object_body(body)
     refuse_unknown(body, _FIELDS, "/v1/messages")
     if body.get("max_tokens") is None:
@@ -204,8 +258,14 @@ def parse_messages(body: Any, headers: Mapping[str, str] | None = None) -> Parse
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
     chat = [x for i, m in enumerate(messages) for x in _message(i, m)]
+    system, adjusted = None, ()
     if body.get("system") is not None:
-        chat.insert(0, {"role": "system", "content": _text(body["system"], "system")})
+        system, adjusted = _system(body["system"], as_sent)
+    if as_sent:
+        chat = ([{"role": "system", "content": system}] if system is not None else []) + chat
+    else:
+        chat, moved = _system_first(chat, system)
+        adjusted += moved
     params: dict[str, Any] = {"max_tokens": body["max_tokens"]}
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
                          ("stop", "stop_sequences"), ("speculative", "speculative")):  # fmt: skip
@@ -233,7 +293,8 @@ def parse_messages(body: Any, headers: Mapping[str, str] | None = None) -> Parse
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, Mapping) else None
     return Parsed(chat, params, stream, False, model, Style.CHAT, fields,
-                  session=session_of(headers, user), ignored_tools=ignored)  # fmt: skip
+                  session=session_of(headers, user), ignored_tools=ignored,
+                  adjusted=adjusted)  # fmt: skip
 
 
 def _message_id() -> str:
@@ -359,8 +420,11 @@ def count_body(tokens: int) -> dict:
 class Messages(Api):
     name = "messages"
 
+    def __init__(self, as_sent: bool = False) -> None:
+        self.as_sent = as_sent  # --prompt-as-sent: Claude Code's prompt unchanged
+
     def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
-        return parse_messages(body, headers)
+        return parse_messages(body, headers, self.as_sent)
 
     def context_error(self, exc: ContextOverflow, param: str | None) -> ApiError:
         """Anthropic's own words, which Claude Code parses to retry with a smaller

@@ -1,0 +1,175 @@
+"""The scripted test model: an mlx-lm architecture whose next token follows a script
+keyed by the conversation, so real agent clients run real multi-step loops.
+
+It is a model like any other to the engine: its one layer keeps a plain
+``KVCache`` (the token ids are its values), it prefills, batches, joins, leaves,
+is cached and restored, and speculates through the same paths as a trained
+model. What it attends to is what attention would: the keys the cache's own mask
+shows each query (left padding and other rows' leftovers stay out). From those
+ids it rebuilds the rendered conversation (chatml, byte-level: ids 0-255 are
+bytes, the specials follow), finds the script rule whose ``when`` is in the
+conversation's first user message, and answers the turn the conversation is at
+(how many assistant turns it already holds): its text and its calls, written in
+the served tool format, then the end token. The answer's next byte gets all the
+probability; the rest share none.
+
+The directory carries this file as ``model.py`` (``"model_file"`` in its config:
+serve it with ``--trust-remote-code``) and the script as ``script.json``::
+
+    {"rules": [{"when": "fan out", "turns": [
+        {"calls": [{"name": "Agent", "arguments": {"prompt": "Read a.txt", ...}}]},
+        {"text": "Done: {last_result}"}]}],
+     "default": {"text": "ok"}}
+
+``{last_result}`` in a text stands for the first line of the conversation's last
+tool result. A conversation no rule matches gets ``default``.
+
+No ``from __future__ import annotations``: mlx-lm runs this file as a module it
+does not register, and dataclasses then cannot resolve string annotations.
+"""
+
+import hashlib
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.base import BaseModelArgs, create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+HERE = Path(__file__).resolve().parent
+SURE = 100.0  # the scripted token's logit; every other token's is 0
+VERIFIED = 16  # queries per forward that get scripted logits (a prefill chunk needs its last)
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    vocab_size: int
+    max_position_embeddings: int
+    specials: list = field(default_factory=list)  # the tokens after the 256 bytes, in id order
+    script: str = "script.json"
+    # chatml, as the served template writes it
+    turn_start: str = "<|im_start|>"
+    turn_end: str = "<|im_end|>"
+    call: str = "<tool_call>\n{call}\n</tool_call>"
+    result_open: str = "<tool_response>\n"
+    result_close: str = "\n</tool_response>"
+
+
+@dataclass
+class Conversation:
+    """The rendered prompt before the answer, read back into turns."""
+
+    first_user: bytes
+    assistant_turns: int
+    last_result: bytes
+
+
+class Script:
+    def __init__(self, args: ModelArgs, rules: dict):
+        self.args = args
+        self.rules = rules.get("rules", [])
+        self.default = rules.get("default", {"text": "ok"})
+        self.start = args.specials.index(args.turn_start) + 256
+        self.end = args.specials.index(args.turn_end) + 256
+        self.plans: OrderedDict[bytes, np.ndarray] = OrderedDict()
+
+    def decode(self, ids: np.ndarray) -> bytes:
+        out, last = [], 0
+        for i in np.flatnonzero(ids >= 256):
+            out.append(ids[last:i].astype(np.uint8).tobytes())
+            out.append(self.args.specials[int(ids[i]) - 256].encode())
+            last = i + 1
+        out.append(ids[last:].astype(np.uint8).tobytes())
+        return b"".join(out)
+
+    def read(self, prompt: bytes) -> Conversation:
+        start, end = self.args.turn_start.encode(), self.args.turn_end.encode()
+        first, turns, last = b"", 0, b""
+        for chunk in prompt.split(start)[1:]:
+            # The role, then a newline that a template's ``{%-`` may have eaten.
+            role = re.match(rb"[a-z_]*", chunk).group()
+            content = chunk[len(role) :].removeprefix(b"\n").split(end)[0]
+            opened = self.args.result_open.encode()
+            if role == b"user" and opened in content:
+                body = content.split(opened)[-1].split(self.args.result_close.encode())[0]
+                last = body.strip().split(b"\n")[0][:200]
+            elif role == b"user" and not first:
+                first = content
+            elif role == b"assistant" and first:
+                turns += 1
+        return Conversation(first, turns, last)
+
+    def answer(self, conversation: Conversation) -> bytes:
+        turn = self.default
+        for rule in self.rules:
+            if rule["when"].encode() in conversation.first_user:
+                turns = rule["turns"]
+                turn = turns[min(conversation.assistant_turns, len(turns) - 1)]
+                break
+        text = turn.get("text", "").replace("{last_result}", conversation.last_result.decode(
+            errors="replace"))  # fmt: skip
+        calls = [self.args.call.replace("{call}", json.dumps(c)) for c in turn.get("calls", [])]
+        return (text + "".join(calls)).encode()  # as the template joins them
+
+    def plan(self, prompt: np.ndarray) -> np.ndarray:
+        """The ids of the whole answer (end token last) to the conversation
+        ``prompt`` ends in, from the last turn start on."""
+        key = hashlib.sha1(prompt.tobytes()).digest()
+        if key not in self.plans:
+            said = np.frombuffer(self.answer(self.read(self.decode(prompt))), np.uint8)
+            self.plans[key] = np.append(said.astype(np.int64), self.end)
+            while len(self.plans) > 64:
+                self.plans.popitem(last=False)
+        self.plans.move_to_end(key)
+        return self.plans[key]
+
+    def next(self, ids: np.ndarray) -> int:
+        """The next token after ``ids``: where the last turn is an open assistant
+        turn, the answer's next byte; otherwise the end token."""
+        starts = np.flatnonzero(ids == self.start)
+        header = b"assistant\n"
+        if not len(starts) or self.decode(ids[starts[-1] + 1 :][: len(header)]) != header:
+            return self.end
+        said, plan = ids[starts[-1] + 1 + len(header) :], self.plan(ids[: starts[-1]])
+        return int(plan[len(said)]) if len(said) < len(plan) else self.end
+
+
+class Layer(nn.Module):
+    """One layer: one cache slot (``make_prompt_cache`` makes a cache per layer)."""
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.layers = [Layer()]
+        self.unit = mx.ones((1,))  # the one weight, so the directory has a safetensors file
+        self.script = Script(args, json.loads((HERE / args.script).read_text()))
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **_: Any) -> mx.array:
+        cache = cache or [KVCache()]
+        B, L = inputs.shape
+        mask = create_attention_mask(inputs, cache[0], return_array=True)
+        ids = (inputs.astype(mx.float32) * self.unit)[:, None, :, None]
+        _, values = cache[0].update_and_fetch(ids, ids)
+        held = np.array(values[:, 0, :, 0]).astype(np.int64)
+        T = held.shape[1]
+        if mask is None:
+            seen = np.ones((B, 1, L, T), bool)
+        else:
+            seen = np.array(mask)
+            seen = seen if seen.dtype == np.bool_ else seen > -1
+            seen = np.broadcast_to(seen.reshape((1,) * (4 - seen.ndim) + seen.shape), (B, 1, L, T))
+        logits = np.zeros((B, L, self.args.vocab_size), np.float32)
+        for b in range(B):
+            for q in range(max(0, L - VERIFIED), L):
+                logits[b, q, self.script.next(held[b][seen[b, 0, q]])] = SURE
+        return mx.array(logits)
