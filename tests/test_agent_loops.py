@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
+import subprocess
 import sys
 
 import httpx
@@ -40,6 +42,7 @@ from clients import (
     run_client,
     said,
 )
+from conftest import free_port
 from mlx_nursery.server.clients import cache_dir
 
 pytestmark = pytest.mark.slow
@@ -171,3 +174,70 @@ async def test_the_agents_sdk_reads_and_writes_a_file(kind, tmp_path):
     assert (work / "notes.txt").read_text() == "status: reviewed\n"
     out = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert out == {"final": "Done: wrote 17 characters to notes.txt", "verdict": True}, out
+
+
+async def test_launch_runs_claude_code_with_the_served_model_under_every_name(tmp_path):
+    """`launch claude` against a running server: every tier asks for the served
+    model, the attribution block is off at the client, the output cap fits the
+    served context."""
+    work = workdir(tmp_path / "work")
+    model = build_model(tmp_path / "scripted", claude_script(work))
+    async with recorded_server("--model", model, "--trust-remote-code",
+                               "--prompt-cache-disk", "0") as rec:  # fmt: skip
+        client_bin("claude")
+        argv = [sys.executable, "-m", "mlx_nursery.server.cli", "launch", "claude", "--url",
+                f"http://127.0.0.1:{rec.port}", "--", "-p", "say hi"]  # fmt: skip
+        env = quiet_env(tmp_path / "home", MLX_NURSERY_CLIENTS=str(cache_dir()))
+        done = await run_client(argv, env, work)
+    exchanges = rec.exchanges()
+    assert_all_2xx(exchanges, done)
+    sent = [e.json() for e in posts(exchanges, "/v1/messages")]
+    assert sent and {b["model"] for b in sent} == {"scripted"}
+    assert all("x-anthropic-billing-header" not in json.dumps(b["system"]) for b in sent)
+    assert {b["max_tokens"] for b in sent} == {32000}  # its own default is 64,000
+    assert "ok" in said(done)
+
+
+def test_launch_refuses_a_model_without_the_context_before_starting_it(tmp_path):
+    """The default model (8,192 tokens) cannot hold Claude Code's prompt: refused
+    from what is known without loading it, with what to serve instead."""
+    argv = [sys.executable, "-m", "mlx_nursery.server.cli", "launch", "claude", "--port", "9"]
+    env = {**quiet_env(tmp_path / "home"), "MLX_NURSERY_CLIENTS": str(cache_dir())}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    message = done.stderr
+    assert "cannot work on smollm2-135m-instruct: it serves 8,192 tokens of context" in message
+    assert "it needs at least 32,768" in message and "--model" in message
+    assert "starting" not in message  # no server was started
+
+
+async def test_launch_refuses_a_running_server_whose_context_is_too_short(tmp_path):
+    model = build_model(tmp_path / "scripted", {"rules": []})
+    async with recorded_server("--model", model, "--trust-remote-code", "--context-length",
+                               "12000", "--prompt-cache-disk", "0") as rec:  # fmt: skip
+        argv = [sys.executable, "-m", "mlx_nursery.server.cli", "launch", "codex", "--url",
+                f"http://127.0.0.1:{rec.port}"]  # fmt: skip
+        env = quiet_env(tmp_path / "home", MLX_NURSERY_CLIENTS=str(cache_dir()))
+        done = await run_client(argv, env, tmp_path)
+    assert done.returncode == 2
+    message = done.stderr.decode()
+    assert "Codex cannot work on scripted: it serves 12,000 tokens" in message
+    assert "16,384" in message and "default model" not in message
+    assert [e.target for e in rec.exchanges()] == ["/v1/models"]
+
+
+async def test_launch_starts_a_server_runs_the_client_and_stops_it(tmp_path):
+    work = workdir(tmp_path / "work")
+    model = build_model(tmp_path / "scripted", claude_script(work))
+    port = free_port()
+    argv = [sys.executable, "-m", "mlx_nursery.server.cli", "launch", "claude", "--model", model,
+            "--trust-remote-code", "--port", str(port), "--prompt-cache-disk", "0",
+            "--request-log", str(tmp_path / "log.jsonl"), "--", "-p", FAN_OUT,
+            "--allowedTools", "Read", "Edit", "Agent"]  # fmt: skip
+    env = quiet_env(tmp_path / "home", MLX_NURSERY_CLIENTS=str(cache_dir()))
+    done = await run_client(argv, env, work)
+    assert done.returncode == 0, said(done)
+    assert (work / "notes.txt").read_text() == "status: reviewed\n"
+    assert len((tmp_path / "log.jsonl").read_text().splitlines()) >= 10  # the main agent and 3 subs
+    with pytest.raises(OSError):  # the server it started is gone
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
