@@ -79,11 +79,12 @@ serve: install openblas
 # ~/.cache/mlx-nursery), then on the real default model (SmolLM2-135M-Instruct,
 # dequantized to float32), then sharded on 1-3 ranks, then the overload storm; writes
 # docs/benchmarks.md, docs/bench/ and the tables of docs/scale-out.md and
-# docs/reliability.md, then the speculative-decoding loads. About an hour and a half.
+# docs/reliability.md, then the speculative-decoding loads, then Claude Code's agent
+# loop request by request (needs `make clients`). About an hour and a half.
 # `make bench PEERS=1` adds vllm-mlx and rapid-mlx (own venvs in ~/.cache/mlx-nursery/peers,
 # installed on first use: each pulls torch, about 6.5 GB and 3 minutes).
 BENCH_MODEL ?= $(HOME)/.cache/mlx-nursery/bench-llama-30m
-bench: install openblas
+bench: install openblas clients
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	$(BIN)/python goldens/make_bench_model.py --if-missing --out $(BENCH_MODEL)
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) $(if $(PEERS),--peers)
@@ -94,6 +95,7 @@ bench: install openblas
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --real --restart --repeats 2
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --flood --repeats 2
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --speculative
+	$(BIN)/python bench/agent_loop.py
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
 # prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.

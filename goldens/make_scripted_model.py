@@ -4,8 +4,9 @@ conversation, written in the served tool format (Qwen/Hermes ``<tool_call>``
 JSON, parsed by mlx-lm's json_tools). Real clients then run real agent loops
 against it: read a file, edit it, start sub-agents, answer.
 
-Its tokenizer is byte-level with no merges (a token is a byte; the chatml specials
-follow), so the model reads the conversation back from the ids alone. Its
+Its tokenizer is the golden models' (goldens/make_models.py: byte-level with no
+merges, a token is a byte, the chatml specials follow; qwen3's template with its
+tool markup), so the model reads the conversation back from the ids alone. Its
 context is 262,144 tokens: a coding agent's prompt (Claude Code's is ~80 kB) in
 bytes, with room for the turns after it. Building takes no training and no
 network: a directory per script is cheap.
@@ -21,39 +22,10 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-from make_models import TOOL_CHAT_TEMPLATE
+from make_models import SPECIALS, VOCAB, write_tokenizer
 
 HERE = Path(__file__).resolve().parent
 CONTEXT = 262144
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-to-character table, indexed by byte (what ByteLevel maps to)."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
-def build_tokenizer(out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: b for b, c in enumerate(_byte_chars())}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    tok.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
-              "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "model_max_length": CONTEXT, "chat_template": TOOL_CHAT_TEMPLATE}  # fmt: skip
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
 
 
 def build(out: Path, script: dict) -> Path:
@@ -61,10 +33,13 @@ def build(out: Path, script: dict) -> Path:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    build_tokenizer(out)
+    write_tokenizer(out, "qwen3")  # the chat template with tool markup
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["model_max_length"] = CONTEXT
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
     shutil.copy(HERE / "scripted_model.py", out / "model.py")
     (out / "script.json").write_text(json.dumps(script, indent=1))
-    config = {"model_type": "scripted", "model_file": "model.py", "vocab_size": 256 + len(SPECIALS),
+    config = {"model_type": "scripted", "model_file": "model.py", "vocab_size": VOCAB,
               "max_position_embeddings": CONTEXT, "specials": SPECIALS,
               "eos_token_id": 256 + SPECIALS.index("<|im_end|>")}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))

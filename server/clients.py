@@ -215,6 +215,9 @@ def launch(
     find(client)  # before any server starts: say how to install it first
     proc = None
     got = served(url, key)
+    if got is not None and serve_flags(serve_argv, {"--host": True, "--port": True}):
+        print(f"mlx-nursery launch: a server already answers at {url} (serving {got[0]}); "
+              f"the serve flags given are not applied to it", file=sys.stderr)  # fmt: skip
     if got is None:
         peeked = peek_context(model, context_length)
         if peeked is not None:

@@ -234,13 +234,15 @@ def _system(system: Any, as_sent: bool) -> tuple[str, tuple[str, ...]]:
     return _text(system, "system"), ()
 
 
-def _system_first(chat: list[dict], system: str | None) -> tuple[list[dict], tuple[str, ...]]:
-    """The conversation with the system prompt first, joined by the system turns
-    that come before the first answer (where they stand after a user turn)."""
+def _system_first(
+    chat: list[dict], system: str | None, move: bool
+) -> tuple[list[dict], tuple[str, ...]]:
+    """The conversation with the system prompt first, joined (where ``move``) by
+    the system turns that come before the first answer, after a user turn."""
     answer = next((i for i, m in enumerate(chat) if m["role"] == "assistant"), len(chat))
     early = [i for i in range(answer) if chat[i]["role"] == "system"]
     moved = any(chat[j]["role"] != "system" for j in range(early[-1])) if early else False
-    if not moved:
+    if not (moved and move):
         return ([{"role": "system", "content": system}] if system is not None else []) + chat, ()
     texts = [t for t in (system, *(chat[i]["content"] for i in early)) if t]
     rest = [m for i, m in enumerate(chat) if i not in early]
@@ -261,11 +263,8 @@ def parse_messages(
     system, adjusted = None, ()
     if body.get("system") is not None:
         system, adjusted = _system(body["system"], as_sent)
-    if as_sent:
-        chat = ([{"role": "system", "content": system}] if system is not None else []) + chat
-    else:
-        chat, moved = _system_first(chat, system)
-        adjusted += moved
+    chat, moved = _system_first(chat, system, move=not as_sent)
+    adjusted += moved
     params: dict[str, Any] = {"max_tokens": body["max_tokens"]}
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
                          ("stop", "stop_sequences"), ("speculative", "speculative")):  # fmt: skip
