@@ -147,6 +147,16 @@ def messages_turns(exchanges: list[Exchange], log: list[dict] = ()) -> list[Turn
     return turns
 
 
+def responses_turns(exchanges: list[Exchange]) -> list[tuple[int, int]]:
+    """(prompt, cached) tokens of each Responses request, in the order sent."""
+    out = []
+    for e in posts(exchanges, "/v1/responses"):
+        (done,) = [x for x in sse_data(e) if x.get("type") == "response.completed"]
+        usage = done["response"]["usage"]
+        out.append((usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]))
+    return out
+
+
 def table(turns: list[Turn]) -> str:
     """The timeline as a markdown table."""
     rows = ["| conversation | turn | prompt tokens | cached | share | diverged at | TTFT (s) |",

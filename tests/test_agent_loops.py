@@ -30,6 +30,7 @@ from agent_loops import (
     codex_script,
     first_message,
     messages_turns,
+    responses_turns,
     table,
     workdir,
 )
@@ -112,6 +113,10 @@ async def test_codex_reads_and_edits_a_file_in_its_shell(tmp_path):
     assert body["model"] == "scripted"
     outputs = [i for i in sent[1].json()["input"] if i.get("type") == "function_call_output"]
     assert "status: draft" in json.dumps(outputs)  # the shell's read came back to the model
+    # each turn finds what the conversation already sent
+    usage = responses_turns(exchanges)
+    for (before, _), (_, cached) in itertools.pairwise(usage):
+        assert cached >= SHARED * before, usage
 
 
 AGENT = """
