@@ -167,8 +167,10 @@ def served(url: str, key: str) -> tuple[str, int | None] | None:
         raise LaunchError(f"the server at {url} wants an API key: set ${API_KEY_ENV}")
     if reply.status_code != 200:
         return None
-    card = reply.json()["data"][0]
-    return card["id"], card.get("context_length")
+    cards = reply.json().get("data") or []
+    if not cards:
+        raise LaunchError(f"the server at {url} lists no model at /v1/models")
+    return cards[0]["id"], cards[0].get("context_length")
 
 
 def peek_context(model: str | None, context_length: int | None) -> tuple[str, int] | None:
