@@ -39,7 +39,12 @@ from typing import Any
 import attrs
 import numpy as np
 import trio
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    PromptTrieResult,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
 
 from . import disk_cache
 from .disk_cache import BadFile, DiskEntry, DiskTier, as_tokens, holds, shared_length
@@ -167,12 +172,40 @@ class Store(LRUPromptCache):
 
     def take(self, tokens: list[int]) -> Hit:
         """The longest usable cached prefix of ``tokens``, with its report."""
-        found = self._trie.search(KEY, tokens)
+        found = self._search(tokens)
         hit = self._take(tokens, found)
         shared = max(found.common_prefix, len(found.shorter or ()), hit.cached)
         if found.exact is not None:
             shared = len(tokens)
         return attrs.evolve(hit, report=self._report(tokens, shared, hit.cached))
+
+    def _search(self, tokens: list[int]) -> PromptTrieResult:
+        """mlx-lm's ``PromptTrie.search``, its longer match found by comparing the
+        entries' tokens (vectorised) where mlx-lm walks every branch below the
+        point of divergence, copying the path at each node: quadratic in an
+        entry's length, 2 to 7 s of the GPU thread (every row waits) for a
+        46k-token prompt diverging from a longer one (a sub-agent from its main
+        agent; tests/test_prompt_cache.py)."""
+        node, last, index = self._trie._trie.get(KEY, {}), -1, 0
+        if not tokens and "__value__" in node:
+            return PromptTrieResult(KEY, [], None, None, 0)
+        while index < len(tokens) and tokens[index] in node:
+            node = node[tokens[index]]
+            if "__value__" in node:
+                last = index
+            index += 1
+        if last == len(tokens) - 1 >= 0:
+            return PromptTrieResult(KEY, tokens, None, None, 0)
+        shorter = tokens[: last + 1] if last > 0 else None
+        longer = None
+        if index > 0:  # the shortest entry through the node where the walk stopped
+            mine = np.asarray(tokens[:index])
+            through = [held for lru in self._lru._lrus.values() for _, held in lru
+                       if len(held) >= index and shared_length(mine, np.asarray(held[:index]))
+                       == index]  # fmt: skip
+            if through:
+                longer = tokens[:index] + list(min(through, key=len)[index:])
+        return PromptTrieResult(KEY, None, shorter, longer, index)
 
     def _report(self, tokens: list[int], shared: int, cached: int) -> CacheReport:
         if cached >= len(tokens) - 1:

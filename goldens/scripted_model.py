@@ -4,9 +4,11 @@ keyed by the conversation, so real agent clients run real multi-step loops.
 It is a model like any other to the engine: its one layer keeps a plain
 ``KVCache`` (the token ids are its values), it prefills, batches, joins, leaves,
 is cached and restored, and speculates through the same paths as a trained
-model. What it attends to is what attention would: the keys the cache's own mask
-shows each query (left padding and other rows' leftovers stay out). From those
-ids it rebuilds the rendered conversation (chatml, byte-level: ids 0-255 are
+model. What it reads is what attention would: a row's keys from its left padding
+on (where the batch cache records each row's start, as its mask does: padding and
+other rows' leftovers stay out), each query up to its own position; every query
+gets its scripted logits, so a verify step or a padded prefill reads them where it
+needs them. From those ids it rebuilds the rendered conversation (chatml, byte-level: ids 0-255 are
 bytes, the specials follow), finds the first script rule whose ``when`` a user
 message holds, and answers the turn the conversation is at (how many assistant
 turns follow that message): its text and its calls, written in the served tool
@@ -39,12 +41,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import BaseModelArgs, create_attention_mask
+from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.cache import KVCache
 
 HERE = Path(__file__).resolve().parent
 SURE = 100.0  # the scripted token's logit; every other token's is 0
-VERIFIED = 16  # queries per forward that get scripted logits (a prefill chunk needs its last)
 
 
 @dataclass
@@ -139,15 +140,24 @@ class Script:
         self.plans.move_to_end(key)
         return self.plans[key]
 
-    def next(self, ids: np.ndarray) -> int:
-        """The next token after ``ids``: where the last turn is an open assistant
-        turn, the answer's next byte; otherwise the end token."""
-        starts = np.flatnonzero(ids == self.start)
-        header = b"assistant\n"
-        if not len(starts) or self.decode(ids[starts[-1] + 1 :][: len(header)]) != header:
-            return self.end
-        said, plan = ids[starts[-1] + 1 + len(header) :], self.plan(ids[: starts[-1]])
-        return int(plan[len(said)]) if len(said) < len(plan) else self.end
+    def next_all(self, row: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """The next token after ``row[: end + 1]`` for each of ``ends``: where
+        the last turn there is an open assistant turn, the answer's next byte;
+        otherwise the end token. One plan per turn the queries are in."""
+        out = np.full(len(ends), self.end, np.int64)
+        starts = np.flatnonzero(row == self.start)
+        header = np.frombuffer(b"assistant\n", np.uint8)
+        last = np.searchsorted(starts, ends, side="right") - 1
+        for i in np.unique(last[last >= 0]):
+            s = starts[i]
+            if not np.array_equal(row[s + 1 : s + 1 + len(header)], header):
+                continue
+            plan = self.plan(row[:s])
+            queries = np.flatnonzero(last == i)
+            said = ends[queries] - s - len(header)  # answer tokens already there
+            ok = (said >= 0) & (said < len(plan))
+            out[queries[ok]] = plan[said[ok]]
+        return out
 
 
 class Layer(nn.Module):
@@ -166,19 +176,17 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: Any = None, **_: Any) -> mx.array:
         cache = cache or [KVCache()]
         B, L = inputs.shape
-        mask = create_attention_mask(inputs, cache[0], return_array=True)
         ids = (inputs.astype(mx.float32) * self.unit)[:, None, :, None]
         _, values = cache[0].update_and_fetch(ids, ids)
         held = np.array(values[:, 0, :, 0]).astype(np.int64)
         T = held.shape[1]
-        if mask is None:
-            seen = np.ones((B, 1, L, T), bool)
-        else:
-            seen = np.array(mask)
-            seen = seen if seen.dtype == np.bool_ else seen > -1
-            seen = np.broadcast_to(seen.reshape((1,) * (4 - seen.ndim) + seen.shape), (B, 1, L, T))
+        # What attention would see: a row's keys from its left padding on (the
+        # batch cache's record of where each row starts; what its mask masks),
+        # each query up to its own position (causal).
+        pads = getattr(cache[0], "left_padding", None)
+        firsts = np.array(pads).astype(np.int64) if pads is not None else np.zeros(B, np.int64)
         logits = np.zeros((B, L, self.args.vocab_size), np.float32)
         for b in range(B):
-            for q in range(max(0, L - VERIFIED), L):
-                logits[b, q, self.script.next(held[b][seen[b, 0, q]])] = SURE
+            ends = (T - L - firsts[b]) + np.arange(L)
+            logits[b, np.arange(L), self.script.next_all(held[b, firsts[b] :], ends)] = SURE
         return mx.array(logits)

@@ -184,3 +184,33 @@ def test_when_only_pinned_entries_are_left_the_one_being_put_goes():
     assert store.take([*history, 3]).cached == 40
     assert store.take([*task, 3]).cached == 0
     assert store.evicted and list(store.evicted[-1]) == task
+
+
+def test_the_search_finds_what_mlx_lms_trie_search_finds():
+    """The store's own search (linear in the entries' lengths, where mlx-lm's
+    walk below the point of divergence copies the path at every node) answers as
+    mlx-lm's ``PromptTrie.search`` does: exact, shorter, common prefix, and a
+    shortest longer entry."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(40):
+        store = Store(max_size=20)
+        base = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        for _ in range(rng.randrange(1, 6)):
+            cut = rng.randrange(len(base) + 1)
+            held = base[:cut] + [rng.randrange(4) for _ in range(rng.randrange(0, 20))]
+            if held:
+                store.put(held, [KVCache()], "assistant", 1 << 40)
+        for _ in range(10):
+            cut = rng.randrange(len(base) + 1)
+            asked = base[:cut] + [rng.randrange(4) for _ in range(rng.randrange(0, 10))]
+            ours, theirs = store._search(asked), store._trie.search("model", asked)
+            assert (ours.exact, ours.shorter, ours.common_prefix) == (
+                theirs.exact, theirs.shorter, theirs.common_prefix)  # fmt: skip
+            if theirs.longer is None:
+                assert ours.longer is None
+            else:  # any shortest entry through the same node
+                assert len(ours.longer) == len(theirs.longer)
+                assert ours.longer[: theirs.common_prefix] == asked[: theirs.common_prefix]
+                store._trie.get("model", ours.longer)  # an entry
