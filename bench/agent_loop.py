@@ -37,10 +37,12 @@ from agent_loops import (  # noqa: E402 (tests/ on the path first)
     table,
     workdir,
 )
-from benchsuite import _write_section, blas  # noqa: E402
+from benchsuite import _write_section  # noqa: E402
 from clients import assert_all_2xx, posts, run_client  # noqa: E402
 from clients import recorded_server as recorded  # noqa: E402
 from conftest import server_process  # noqa: E402
+from make_scripted_model import BODY  # noqa: E402 (goldens/, put on the path by agent_loops)
+from mlx_nursery.server.serve import find_openblas  # noqa: E402
 
 SECOND = FAN_OUT.replace("Fan out:", "Fan out: again,")  # the next task: a new conversation
 FLAGS = ("--trust-remote-code", "--prompt-cache-disk", "0")
@@ -52,7 +54,7 @@ def _log(path: Path) -> list[dict]:
 
 async def loop(root: Path) -> tuple[list[tuple[str, list]], dict]:
     work = workdir(root / "work")
-    model = build_model(root / "scripted", claude_script(work))
+    model = build_model(root / "scripted", claude_script(work), BODY)
     log = root / "requests.jsonl"
     runs = []
     async with recorded("--model", model, *FLAGS, "--request-log", str(log)) as rec:
@@ -85,8 +87,11 @@ def main() -> int:
         runs, sub = trio.run(loop, root)
         cold_ttft = trio.run(cold, sub["model"], sub["body"], root)
     lines = [
-        f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; the scripted model "
-        "(goldens/scripted_model.py: byte-level tokens, so a prompt is its length in bytes); "
+        f"Run {time.strftime('%Y-%m-%d')}; BLAS: "
+        f"{'OpenBLAS (preloaded by the servers)' if find_openblas() else 'mlx bundled'}; "
+        "float32; the scripted model with a one-layer, one-head llama body "
+        "(`goldens/make_scripted_model.py` `BODY`; byte-level tokens, so a prompt is its "
+        "length in bytes); "
         "Claude Code 2.1.197 (`claude -p`) through a recording proxy, one fresh server "
         "(`--prompt-cache-disk 0`); TTFT from the server's request log.",
         "",

@@ -23,13 +23,25 @@ from pathlib import Path
 
 import mlx.core as mx
 from make_models import SPECIALS, VOCAB, write_tokenizer
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
 
 HERE = Path(__file__).resolve().parent
 CONTEXT = 262144
 
 
-def build(out: Path, script: dict) -> Path:
-    """A scripted model in ``out`` (replaced) answering by ``script``."""
+# A transformer body that costs what a tiny llama's forward does (one layer of one
+# head, as the client model: attention over a long prompt is most of it).
+BODY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": CONTEXT,
+        "tie_word_embeddings": True}  # fmt: skip
+
+
+def build(out: Path, script: dict, body: dict | None = None) -> Path:
+    """A scripted model in ``out`` (replaced) answering by ``script``; with
+    ``body`` (a llama config, e.g. ``BODY``), a random transformer runs beside the
+    script, so its forward costs what that model's does."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -41,9 +53,14 @@ def build(out: Path, script: dict) -> Path:
     (out / "script.json").write_text(json.dumps(script, indent=1))
     config = {"model_type": "scripted", "model_file": "model.py", "vocab_size": VOCAB,
               "max_position_embeddings": CONTEXT, "specials": SPECIALS,
-              "eos_token_id": 256 + SPECIALS.index("<|im_end|>")}  # fmt: skip
+              "eos_token_id": 256 + SPECIALS.index("<|im_end|>"), "body": body}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
-    mx.save_safetensors(str(out / "model.safetensors"), {"unit": mx.ones((1,))}, {"format": "mlx"})
+    weights = {"unit": mx.ones((1,))}
+    if body is not None:
+        mx.random.seed(0)
+        model = llama.LlamaModel(llama.ModelArgs.from_dict({"vocab_size": VOCAB, **body}))
+        weights |= {f"body.{k}": v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "mlx"})
     return out
 
 
@@ -51,8 +68,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--script", type=Path, required=True, help="the script (JSON)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--body", action="store_true", help="a tiny llama's cost (BODY)")
     args = parser.parse_args()
-    print(build(args.out, json.loads(args.script.read_text())))
+    print(build(args.out, json.loads(args.script.read_text()), BODY if args.body else None))
 
 
 if __name__ == "__main__":

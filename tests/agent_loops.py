@@ -74,11 +74,12 @@ def agents_sdk_script(work: Path) -> dict:
     ], "default": {"text": "ok"}}  # fmt: skip
 
 
-def build_model(out: Path, script: dict) -> str:
-    sys.path.insert(0, str(GOLDENS))
-    from make_scripted_model import build
+sys.path.insert(0, str(GOLDENS))
+from make_scripted_model import build  # noqa: E402 (goldens/ on the path)
 
-    return str(build(out, script))
+
+def build_model(out: Path, script: dict, body: dict | None = None) -> str:
+    return str(build(out, script, body))
 
 
 def claude(home: Path, port: int, prompt: str) -> tuple[list[str], dict]:
