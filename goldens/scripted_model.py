@@ -1,19 +1,19 @@
 """The scripted test model: an mlx-lm architecture whose next token follows a script
 keyed by the conversation, so real agent clients run real multi-step loops.
 
-It is a model like any other to the engine: its one layer keeps a plain
-``KVCache`` (the token ids are its values), it prefills, batches, joins, leaves,
-is cached and restored, and speculates through the same paths as a trained
-model. What it reads is what attention would: a row's keys from its left padding
-on (where the batch cache records each row's start, as its mask does: padding and
+It is a model like any other to the engine: its first cache, a plain ``KVCache``,
+holds the token ids as its values, so it prefills, batches, joins, leaves, is
+cached and restored, and speculates through the same paths as a trained model.
+What it reads is what attention would: a row's keys from its left padding on
+(where the batch cache records each row's start, as its mask does: padding and
 other rows' leftovers stay out), each query up to its own position; every query
-gets its scripted logits, so a verify step or a padded prefill reads them where it
-needs them. From those ids it rebuilds the rendered conversation (chatml, byte-level: ids 0-255 are
-bytes, the specials follow), finds the first script rule whose ``when`` a user
-message holds, and answers the turn the conversation is at (how many assistant
-turns follow that message): its text and its calls, written in the served tool
-format, then the end token. The answer's next byte gets all the
-probability; the rest share none.
+gets its scripted logits, so a verify step or a padded prefill reads them where
+it needs them. From those ids it rebuilds the rendered conversation (chatml,
+byte-level: ids 0-255 are bytes, the specials follow), finds the first script
+rule whose ``when`` a user message holds, and answers the turn the conversation
+is at (how many assistant turns follow that message): its text and its calls,
+written in the served tool format, then the end token. The answer's next byte
+gets all the probability; the rest share none.
 
 The directory carries this file as ``model.py`` (``"model_file"`` in its config:
 serve it with ``--trust-remote-code``) and the script as ``script.json``::
