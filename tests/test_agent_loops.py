@@ -61,6 +61,7 @@ async def test_claude_code_fans_out_sub_agents_edits_a_file_and_shares_its_promp
         second = await run_client(*claude(tmp_path / "home", rec.port, "say hi"), work)
         async with httpx.AsyncClient() as client:
             stats = (await client.get(f"http://127.0.0.1:{rec.port}/stats")).json()
+            metrics = (await client.get(f"http://127.0.0.1:{rec.port}/metrics")).text
     exchanges = rec.exchanges()
     assert_all_2xx(exchanges, loop)
     assert_all_2xx(exchanges, second)
@@ -76,6 +77,8 @@ async def test_claude_code_fans_out_sub_agents_edits_a_file_and_shares_its_promp
     turns = messages_turns(exchanges, [json.loads(x) for x in log.read_text().splitlines()])
     print("\n" + table(turns))
     assert stats["prompt_adjusted"]["claude_code_attribution_dropped"] == len(sent)
+    line = 'mlx_nursery_prompt_adjusted_total{kind="claude_code_attribution_dropped"}'
+    assert f"{line} {float(len(sent))}" in metrics
     by = {}
     for t in turns:
         by.setdefault(t.conversation, []).append(t)
