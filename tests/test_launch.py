@@ -62,3 +62,15 @@ def test_a_short_context_is_refused_with_what_to_do(client):
     assert f"mlx-nursery launch {client.command} --model" in message
     clients.check_fits(client, "big", client.needs)  # enough: no error
     clients.check_fits(client, "unknown", None)
+
+
+def test_a_missing_client_is_named_with_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv(clients.CLIENTS_ENV, str(tmp_path / "none"))
+    with pytest.raises(clients.LaunchError) as err:
+        clients.find(clients.CODEX)
+    assert "npm install -g @openai/codex" in str(err.value) and "make clients" in str(err.value)
+    found = tmp_path / "none" / "node_modules" / ".bin" / "codex"
+    found.parent.mkdir(parents=True)
+    found.write_text("#!/bin/sh\n")
+    assert clients.find(clients.CODEX) == str(found)  # make clients' cache, when not on PATH
