@@ -94,10 +94,11 @@ def posts(exchanges: list[Exchange], path: str) -> list[Exchange]:
 
 
 def sse_data(exchange: Exchange) -> list[dict]:
-    """The JSON payloads of a streamed response's events."""
-    body = exchange.response.split(b"\r\n\r\n", 1)[-1].decode(errors="replace")
+    """The JSON payloads of a recorded streamed response's events (Anthropic's and
+    Responses' ``event:`` frames included; ``conftest.sse_events`` reads a live
+    chat stream strictly)."""
     out = []
-    for line in body.splitlines():
+    for line in exchange.response.decode(errors="replace").splitlines():
         if line.startswith("data: ") and line[6:].strip().startswith("{"):
             out.append(json.loads(line[6:]))
     return out
