@@ -84,3 +84,19 @@ async def test_the_engine_batches_scripted_rows_as_it_runs_them_alone(scripted):
     assert said(alone[0])[1] == [("Read", '{"path": "x"}')]
     for i, r in enumerate(together):
         assert said(r) == said(alone[i % 4]), i
+
+
+async def test_a_required_call_in_the_templates_own_format_keeps_its_spacing(tmp_path):
+    """Under ``tool_choice: required`` the answer is constrained to the template's
+    own call markup, spaced as the template writes calls: what a model trained on
+    it writes passes the grammar unchanged."""
+    script = {"rules": [{"when": "read y", "turns": [
+        {"calls": [{"name": "Read", "arguments": {"path": "y"}},
+                   {"name": "Read", "arguments": {"path": "z"}}]}]}]}  # fmt: skip
+    model = str(build(tmp_path / "scripted", script))
+    async with open_engine(model, trust_remote_code=True) as engine:
+        ask = [{"role": "user", "content": "please read y"}]
+        for choice in ("required", {"type": "function", "function": {"name": "Read"}}):
+            result = await engine.generate(ask, tools=TOOLS, tool_choice=choice, max_tokens=200)
+            calls = [(c.name, c.arguments) for c in result.tool_calls]
+            assert calls == [("Read", '{"path": "y"}'), ("Read", '{"path": "z"}')], result
