@@ -68,7 +68,7 @@ async def loop(root: Path) -> tuple[list[tuple[str, list]], dict]:
         sub = next(e for e in posts(rec.exchanges(), "/v1/messages")
                    if "cc_is_subagent=true" in json.dumps(e.json()["system"])
                    and len(e.json()["messages"]) == 2)  # fmt: skip
-    return runs, {"model": model, "body": sub.json(), "headers": sub.headers}
+    return runs, {"model": model, "body": sub.json()}
 
 
 async def cold(model: str, body: dict, root: Path) -> float:

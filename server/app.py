@@ -193,12 +193,13 @@ def create_app(settings: Settings) -> QuartTrio:
     app.after_request(_async(guard.cors))
     app.register_error_handler(ApiError, _async(error_response))
     app.register_error_handler(HTTPException, _async(guard.http_error))
-    for path, api in APIS.items():
-        if isinstance(api, Messages):
-            api = Messages(as_sent=settings.prompt_as_sent)
+    messages = Messages(as_sent=settings.prompt_as_sent)  # parses by the setting
+    for path, api in {**APIS, "/v1/messages": messages}.items():
         view = functools.partial(routes.generate, api)
         app.add_url_rule(path, endpoint=api.name, view_func=view, methods=["POST"])
-    app.add_url_rule("/v1/messages/count_tokens", view_func=routes.count_tokens, methods=["POST"])
+    count = functools.partial(routes.count_tokens, messages)
+    app.add_url_rule("/v1/messages/count_tokens", endpoint="count_tokens", view_func=count,
+                     methods=["POST"])  # fmt: skip
     app.add_url_rule("/v1/sessions/<session>", view_func=routes.cancel_session,
                      methods=["DELETE"])  # fmt: skip
     for path, view in (

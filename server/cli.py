@@ -126,8 +126,8 @@ def run_launch(parser: argparse.ArgumentParser, argv: list[str], client_args: li
     given = argv[argv.index("launch") + 1 :]
     given.remove(args.client)
     serve_argv = clients.serve_flags(given, {"--url": True})
-    host = args.host if hasattr(args, "host") else Settings(model=None).host
-    port = args.port if hasattr(args, "port") else Settings(model=None).port
+    defaults = Settings(model=None)
+    host, port = getattr(args, "host", defaults.host), getattr(args, "port", defaults.port)
     url = (args.url or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}")
     try:
         return clients.launch(

@@ -55,6 +55,10 @@ class Client:
     needs: int
 
 
+# Claude Code's telemetry, error reporting, updater and non-essential traffic off.
+QUIET = {"DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
+         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}  # fmt: skip
+
 CLAUDE = Client("claude", "Claude Code", "@anthropic-ai/claude-code", 20_904, 32_768)
 CODEX = Client("codex", "Codex", "@openai/codex", 8_755, 16_384)
 CLIENTS = {c.command: c for c in (CLAUDE, CODEX)}
@@ -110,10 +114,7 @@ def claude_env(url: str, key: str, model: str, context: int | None) -> dict[str,
         "ANTHROPIC_AUTH_TOKEN": key,  # a bearer token: no prompt to approve an API key
         "ANTHROPIC_API_KEY": "",
         "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_ERROR_REPORTING": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        **QUIET,
     }
     for tier in ("ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL",
                  "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL",

@@ -108,13 +108,13 @@ class Routes:
             response.headers["X-Ignored-Tools"] = ", ".join(parsed.ignored_tools)
         return response
 
-    async def count_tokens(self) -> Response:
+    async def count_tokens(self, api: Messages) -> Response:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt a message would have."""
         engine = self.state.engine_or_503()
         body = await body_json(self.settings.body_timeout)
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}
-        parsed = Messages(self.settings.prompt_as_sent).parse(body, request.headers)
+        parsed = api.parse(body, request.headers)
         try:
             tokens = len(engine.encode(parsed.prompt, **parsed.prompt_params))
         except InvalidRequest as exc:

@@ -14,13 +14,14 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 import trio
 from conftest import server_process
-from mlx_nursery.server.clients import cache_dir
+from mlx_nursery.server.clients import QUIET, cache_dir
 from recording import Exchange, Recording
 
 RUN_TIMEOUT = 400
@@ -40,9 +41,8 @@ def quiet_env(home: Path, **extra: str) -> dict[str, str]:
     home.mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join([str(Path(shutil.which("node") or "/usr/bin/node").parent),
                             "/usr/bin", "/bin"])  # fmt: skip
-    return {"PATH": path, "HOME": str(home), "TERM": "dumb", "NO_COLOR": "1",
-            "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1", **extra}  # fmt: skip
+    return {"PATH": path, "HOME": str(home), "TERM": "dumb", "NO_COLOR": "1", **QUIET,
+            **extra}  # fmt: skip
 
 
 async def run_client(argv: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
@@ -51,6 +51,40 @@ async def run_client(argv: list[str], env: dict, cwd: Path) -> subprocess.Comple
         return await trio.run_process(argv, env=env, cwd=cwd, capture_stdout=True,
                                       capture_stderr=True, check=False,
                                       stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+# The head of an Agents SDK script (run in a process of its own; its body defines
+# the tools and ``main(url, kind)``): tracing off, a structured verdict, and the
+# SDK's Responses or chat-completions model on the server at a URL.
+AGENTS_SDK_HEAD = """
+import asyncio, json, sys
+from pathlib import Path
+from openai import AsyncOpenAI
+from pydantic import BaseModel
+from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel,
+                    Runner, function_tool, set_tracing_disabled)
+
+set_tracing_disabled(True)
+
+
+class Verdict(BaseModel):
+    ok: bool
+
+
+def sdk_model(url, kind, name):
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="sk-local")
+    cls = OpenAIResponsesModel if kind == "responses" else OpenAIChatCompletionsModel
+    return cls(model=name, openai_client=client)
+"""
+
+
+def agents_sdk(body: str, root: Path, port: int, kind: str) -> tuple[list[str], dict]:
+    """An Agents SDK script (``AGENTS_SDK_HEAD`` + ``body``) written under ``root``,
+    as (argv, env) running ``main`` against the server on ``port``."""
+    script = root / "agent.py"
+    script.write_text(f"{AGENTS_SDK_HEAD}\n{body}\n\nasyncio.run(main(sys.argv[1], sys.argv[2]))\n")
+    env = quiet_env(root / "home", OPENAI_AGENTS_DISABLE_TRACING="1")
+    return [sys.executable, str(script), f"http://127.0.0.1:{port}", kind], env
 
 
 def said(done: subprocess.CompletedProcess) -> str:

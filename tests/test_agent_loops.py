@@ -35,6 +35,7 @@ from agent_loops import (
     workdir,
 )
 from clients import (
+    agents_sdk,
     assert_all_2xx,
     client_bin,
     posts,
@@ -123,16 +124,6 @@ async def test_codex_reads_and_edits_a_file_in_its_shell(tmp_path):
 
 
 AGENT = """
-import asyncio, json, sys
-from pathlib import Path
-from openai import AsyncOpenAI
-from pydantic import BaseModel
-from agents import (Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
-                    function_tool, set_tracing_disabled)
-
-set_tracing_disabled(True)
-
-
 @function_tool
 def read_file(path: str) -> str:
     "A file's text."
@@ -146,14 +137,8 @@ def write_file(path: str, content: str) -> str:
     return f"wrote {len(content)} characters to {Path(path).name}"
 
 
-class Verdict(BaseModel):
-    ok: bool
-
-
 async def main(url, kind):
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="sk-local")
-    cls = OpenAIResponsesModel if kind == "responses" else OpenAIChatCompletionsModel
-    model = cls(model="scripted", openai_client=client)
+    model = sdk_model(url, kind, "scripted")
     agent = Agent(name="editor", instructions="Edit files.", tools=[read_file, write_file],
                   model=model)
     result = await Runner.run(agent, "Mark notes.txt reviewed.", max_turns=6)
@@ -161,9 +146,6 @@ async def main(url, kind):
                   output_type=Verdict)
     verdict = await Runner.run(judge, "Is it reviewed?", max_turns=3)
     print(json.dumps({"final": str(result.final_output), "verdict": verdict.final_output.ok}))
-
-
-asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 
@@ -171,13 +153,9 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 async def test_the_agents_sdk_reads_and_writes_a_file(kind, tmp_path):
     work = workdir(tmp_path / "work")
     model = build_model(tmp_path / "scripted", agents_sdk_script(work))
-    script = tmp_path / "agent.py"
-    script.write_text(AGENT)
     async with recorded_server("--model", model, "--trust-remote-code",
                                "--prompt-cache-disk", "0") as rec:  # fmt: skip
-        env = quiet_env(tmp_path / "home", OPENAI_AGENTS_DISABLE_TRACING="1")
-        argv = [sys.executable, str(script), f"http://127.0.0.1:{rec.port}", kind]
-        done = await run_client(argv, env, work)
+        done = await run_client(*agents_sdk(AGENT, tmp_path, rec.port, kind), work)
     assert_all_2xx(rec.exchanges(), done)
     assert (work / "notes.txt").read_text() == "status: reviewed\n"
     out = json.loads(done.stdout.decode().strip().splitlines()[-1])

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from clients import assert_all_2xx, client_bin, posts, quiet_env, recorded_run
+from clients import agents_sdk, assert_all_2xx, client_bin, posts, quiet_env, recorded_run
 from conftest import GOLDENS
 
 pytestmark = pytest.mark.slow
@@ -103,13 +103,6 @@ async def test_codex_runs_unchanged(client_model, tmp_path):
 
 
 AGENT = """
-import asyncio, json, sys
-from openai import AsyncOpenAI
-from pydantic import BaseModel
-from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel,
-                    Runner, function_tool, set_tracing_disabled)
-
-set_tracing_disabled(True)
 calls = []
 
 
@@ -120,14 +113,8 @@ def get_weather(city: str) -> str:
     return "sunny, 21 C"
 
 
-class Verdict(BaseModel):
-    ok: bool
-
-
 async def main(url, kind):
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="sk-local")
-    cls = OpenAIResponsesModel if kind == "responses" else OpenAIChatCompletionsModel
-    model = cls(model="client-llama", openai_client=client)
+    model = sdk_model(url, kind, "client-llama")
     settings = ModelSettings(tool_choice="required", max_tokens=400)
     agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
                   model=model, model_settings=settings)
@@ -137,9 +124,6 @@ async def main(url, kind):
     verdict = await Runner.run(shaped, "Is it ok?", max_turns=4)
     print(json.dumps({"calls": len(calls), "final": str(result.final_output)[:80],
                       "verdict": verdict.final_output.model_dump()}))
-
-
-asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 
@@ -147,12 +131,9 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 async def test_the_agents_sdk_runs_a_tool_loop(client_model, kind, tmp_path):
     """The Agents SDK's tool loop (a required call, then its final answer) and a
     structured answer (``output_type``) beside a required tool, on both models."""
-    script = tmp_path / "agent.py"
-    script.write_text(AGENT)
 
     def client(port: int) -> tuple[list[str], dict]:
-        env = quiet_env(tmp_path / "home", OPENAI_AGENTS_DISABLE_TRACING="1")
-        return [sys.executable, str(script), f"http://127.0.0.1:{port}", kind], env
+        return agents_sdk(AGENT, tmp_path, port, kind)
 
     exchanges, done = await recorded_run(client, tmp_path / "work", "--model", client_model)
     assert_all_2xx(exchanges, done)
