@@ -12,7 +12,7 @@ from .errors import (
     InvalidRequest,
     Overloaded,
 )
-from .loading import ModelInfo
+from .models.load import ModelInfo
 from .request import (
     CacheReason,
     CacheReport,

@@ -4,7 +4,7 @@ Its rows are one ordered list, ``_rows``, in batch order: every batch index is
 derived from it, never kept beside it. Between steps it ends rows that asked to
 (``row.end`` set: by their own token, a routed :class:`Finish` or a
 :class:`Cancel`), by ``filter``; then joins primed rows (adopt, merge or extend
-by cache kind: see ``rows.Batch.join``); then runs one pipelined step, all in
+by cache kind: see ``step.batch.Batch.join``); then runs one pipelined step, all in
 one GPU call. A row's end is decided by :meth:`Row.accept` for its tokens and
 by the first end request it gets; this actor then frees it: finished rows' KV
 to the prompt cache, the terminal to the emitter, the slot to admission.
@@ -29,9 +29,12 @@ from .prefill import Join
 from .prompt_cache import Put, worth_keeping
 from .request import FinishReason
 from .row import Backlog, Cancel, End, Finish, NotPaused, Pause, Paused, Phase, Row
-from .rows import Batch, Read, Speculation, fit
-from .speculate import DRAFTERS
 from .stats import Count, Gauge, Metric, Observe, Stats
+from .step.batch import Batch
+from .step.drafting import DRAFTERS
+from .step.kv import fit
+from .step.slots import Read
+from .step.verify import Speculation, Verifier
 
 MAILBOX_SIZE = 4096
 CLEAR_CACHE_EVERY = 256  # steps between mx.clear_cache(), as generate_step does
@@ -149,7 +152,7 @@ class Decode:
     to_prompt_cache: trio.MemorySendChannel | None
     speculation: Speculation | None = None  # drafting (None: plain steps only)
     _batch: Batch = attrs.field(init=False)
-    # DECODING rows in batch order; None: a retired slot (see rows.Batch.retire).
+    # DECODING rows in batch order; None: a retired slot (see step.batch.Batch.retire).
     _rows: list[Row | None] = attrs.field(factory=list, init=False)
     _joining: list[Join] = attrs.field(factory=list, init=False)  # FIFO
     _turns: int = attrs.field(default=0, init=False)  # GPU turns taken
@@ -158,7 +161,11 @@ class Decode:
     _waiting: bool = attrs.field(default=False, init=False)  # admission's last Backlog
 
     def __attrs_post_init__(self) -> None:
-        self._batch = Batch(self.model, spec=self.speculation)
+        self._batch = self._new_batch()
+
+    def _new_batch(self) -> Batch:
+        verifier = None if self.speculation is None else Verifier(self.speculation)
+        return Batch(self.model, verifier=verifier)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with closing(self.inbox, self.to_emitter, self.to_admission, self.to_prompt_cache):
@@ -416,7 +423,7 @@ class Decode:
             await self.to_emitter.send(Tokens(pending))
         announced = {o.row.id for o in pending if o.ends}
         rows, self._rows = self._live(), []
-        self._batch = Batch(self.model, spec=self.speculation)
+        self._batch = self._new_batch()
         for row in rows:
             row.ask_end(End(FinishReason.ERROR, message))
             await self._free(row, announced=row.id in announced)

@@ -42,9 +42,19 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import mlx.core as mx
 import numpy as np
+import trio
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import (
+    KVCache,
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    save_prompt_cache,
+)
 
-from .gguf import cache_root, sha256
+from .paths import cache_root, sha256
+from .step.kv import clone
 
 log = logging.getLogger("mlx_nursery.engine")
 
@@ -100,9 +110,6 @@ def _slug(name: str) -> str:
 def model_identity(model: Any) -> tuple[str, str]:
     """The model's identity (a hash over every parameter's name, shape, dtype,
     first and last values) and its floating dtype's name (GPU thread)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     params = tree_flatten(model.parameters())
     ends = [mx.concatenate([p.reshape(-1)[:4], p.reshape(-1)[-4:]]) for _, p in params]
     ends = [e.astype(mx.float32) if mx.issubdtype(e.dtype, mx.floating) else e for e in ends]
@@ -123,8 +130,6 @@ async def open_tier(
     """The disk tier for ``model``: its identity (GPU thread), its folder indexed
     (a worker thread), bad files removed, the cap applied. None, with a log line,
     when the folder cannot be used: the engine then runs on memory alone."""
-    import trio
-
     identity, dtype = await gpu.call_here(model_identity, model)
     try:
         tier = await trio.to_thread.run_sync(_open, folder, model_id, dtype, identity, cap)
@@ -163,11 +168,6 @@ def freeze(caches: Sequence[Any]) -> Frozen | None:
     """Copies of ``caches`` a writer thread can serialize without running mlx:
     plain KV cut to its length, everything evaluated. None when a layer's class
     is not mlx-lm's (its loader could not rebuild it)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
-
-    from .prompt_cache import clone
-
     if any(type(c).__module__ != "mlx_lm.models.cache" for c in caches):
         return None
     out = []
@@ -185,9 +185,6 @@ def freeze(caches: Sequence[Any]) -> Frozen | None:
 
 def load(path: Path) -> list[Any]:
     """An entry's caches from its (checked) file."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import load_prompt_cache
-
     caches = load_prompt_cache(str(path))
     mx.eval([c.state for c in caches])
     return caches
@@ -356,8 +353,6 @@ class DiskTier:
 
     def write(self, tokens: np.ndarray, frozen: Frozen, kind: str) -> DiskEntry:
         """Write one entry atomically; returns its index entry (not yet indexed)."""
-        from mlx_lm.models.cache import save_prompt_cache
-
         raw = tokens.astype("<i4").tobytes()
         metadata = {
             "format": FORMAT,

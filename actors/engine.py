@@ -34,18 +34,18 @@ from .emitter import Emitter
 from .errors import EngineClosed, InvalidRequest, Overloaded
 from .gpu import Gpu
 from .intake import Intake, Prompt
-from .loading import ModelInfo, load_draft, load_model
 from .mailbox import Mailbox
+from .models.load import ModelInfo, load_draft, load_model
 from .prefill import PrefillActor
 from .prompt_cache import PromptCacheActor
 from .ranks import RankWatch, follow, lead, rank_figures
 from .request import Result
 from .row import Cancel, Phase, Row, RowView, SessionView, sessions, tree, view
-from .rows import Speculation
 from .serial import Serial
 from .settings import EngineSettings
-from .speculate import DraftModel
 from .stats import Count, Metric, Mode, Stats, StatsSnapshot
+from .step.drafting import DraftModel
+from .step.verify import Speculation
 from .stream import RequestStream
 from .watchdog import Watchdog, stall_reason
 
@@ -109,7 +109,9 @@ class Engine:
         if weight is not None:
             row.weight = weight
         self._live[row.id] = row
-        return RequestStream(self, row, row.id, row.params, receive, len(row.prompt))
+        return RequestStream(
+            self._enqueue, self._cancel, row, row.id, row.params, receive, len(row.prompt)
+        )
 
     def live(self) -> list[RowView]:
         """Every live row (queued, prefilling, decoding, serial), oldest first: a

@@ -25,7 +25,7 @@ from .constrain import (
     unimplemented_keys,
 )
 from .errors import ContextOverflow, InvalidRequest
-from .loading import ModelInfo
+from .models.load import ModelInfo
 from .request import Lane, SamplingParams
 from .row import Row, RowTimes
 from .settings import EngineSettings

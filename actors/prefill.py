@@ -29,8 +29,10 @@ from .mailbox import closing
 from .prompt_cache import EntryKind, Put, shared_prefix, take
 from .request import FinishReason
 from .row import Backlog, Cancel, End, Finish, Pause, Phase, Row
-from .rows import Batch, Prefill, Sampled, prefill_together
 from .stats import Count, Gauge, Metric, Stats
+from .step.batch import Batch
+from .step.joiner import Prefill, prefill_together
+from .step.slots import Sampled
 
 MAILBOX_SIZE = 4096
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import enum
 import logging
 import math
@@ -54,6 +53,7 @@ from .ranks import Mirrored, mirrored
 from .request import CacheReason, CacheReport, CacheTier
 from .row import Row
 from .stats import Count, Gauge, Metric, Observe, Stats
+from .step.kv import clone
 
 log = logging.getLogger("mlx_nursery.engine")
 
@@ -69,23 +69,6 @@ PUT_MIN_PROMPT = 16
 def worth_keeping(row: Row) -> bool:
     """Whether an ended row's KV goes to the prompt cache (both lanes)."""
     return row.end is not None and row.end.reason.finished and len(row.prompt) >= PUT_MIN_PROMPT
-
-
-def clone(cache: Any) -> Any:
-    """A copy of one layer's cache object whose arrays are view handles (no KV copied)."""
-    import mlx.core as mx
-
-    new = copy.copy(cache)
-    for name, value in vars(cache).items():
-        if isinstance(value, mx.array):
-            setattr(new, name, value[...])
-        elif isinstance(value, list | tuple) and value:
-            items = [
-                v[...] if isinstance(v, mx.array) else clone(v) if hasattr(v, "state") else v
-                for v in value
-            ]
-            setattr(new, name, type(value)(items))
-    return new
 
 
 @attrs.frozen

@@ -21,15 +21,12 @@ first reason to end wins; a later finish or cancel for the same row is a no-op).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 import trio
 
 from .request import CacheReport, FinishReason, Lane, SamplingParams
-
-if TYPE_CHECKING:  # types only: rows.py builds on this module
-    from .rows import Batch, Prefill
 
 
 class Phase(enum.Enum):
@@ -101,7 +98,7 @@ class Backlog:
     """admission -> decode (through prefill): whether requests now wait for a
     slot of the batch (queued or paused), sent when that changes. With nobody
     waiting, a draft kept only shortens the batch's own work, and the gate
-    values drafts so (``speculate.Gate.choose``)."""
+    values drafts so (``step.drafting.Gate.choose``)."""
 
     waiting: bool
 
@@ -159,9 +156,10 @@ class Row:
     # token is read once it has also been fed: these are exactly what the KV holds.
     tokens: list[int] = attrs.field(factory=list, repr=len)
     # The current phase's GPU-thread state, touched only inside gpu.call: a
-    # ``rows.Prefill`` while PREFILLING, the primed one-row ``rows.Batch`` while JOINING
-    # (and while PAUSED: the row's own KV and pending token, taken out of the batch).
-    work: Prefill | Batch | None = attrs.field(default=None, repr=False)
+    # ``step.joiner.Prefill`` while PREFILLING, the primed one-row ``step.batch.Batch``
+    # while JOINING (and while PAUSED: the row's own KV and pending token, taken out of
+    # the batch). Typed loosely: the step's state builds on this record, not the reverse.
+    work: Any = attrs.field(default=None, repr=False)
     end: End | None = None  # set once, by ask_end
     # Speculative decoding figures (decode writes them): draft tokens proposed and
     # kept, decode steps that read tokens from the row, and the tokens they read.

@@ -22,8 +22,8 @@ from .prompt_cache import Hit, Put, take, worth_keeping
 from .ranks import Mirrored, mirrored
 from .request import FinishReason
 from .row import Cancel, End, Finish, Phase, Row
-from .rows import build_sampling, read_logprobs
 from .stats import Count, Gauge, Metric, Stats
+from .step.slots import build_sampling, read_logprobs
 
 MAILBOX_SIZE = 4096
 

@@ -19,7 +19,7 @@ import attrs
 from .budget import parse_budget, parse_bytes
 from .errors import InvalidRequest
 from .request import DEFAULT_MAX_TOKENS, SamplingParams
-from .speculate import MAX_DRAFT
+from .step.drafting import MAX_DRAFT
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUEUE_PER_SLOT = 8  # the default queue bound: this many waiting rows per batch slot
@@ -208,20 +208,20 @@ class EngineSettings:
         True, validator=_boolean, parse=_on_off, shown="on",
         help="decode steps whose rows' lengths differ widely attend row by row over each "
         "row's own keys instead of over the batch padded to its longest row "
-        "(actors/ragged.py); off: mlx-lm's padded attention. A choice for the process",
+        "(actors/step/ragged.py); off: mlx-lm's padded attention. A choice for the process",
     )  # fmt: skip
     cpu_softmax: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",
         help="float32 attention over prefill chunks on a Linux x86-64 CPU computes mlx's "
         "softmax in a small C library built on first use, many lanes wide and to the same "
-        "bits (actors/cpu_softmax.py); verify steps take it too, their query heads folded "
+        "bits (actors/step/cpu_softmax.py); verify steps take it too, their query heads folded "
         "into one matmul per key head; off, or without a C compiler: mlx's own. A choice for "
         "the process",
     )  # fmt: skip
     speculative: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",
         help="speculative decoding in the continuous batch: rows draft tokens by n-gram "
-        "lookup in their own prompt and output and in recent rows' (actors/speculate.py), "
+        "lookup in their own prompt and output and in recent rows' (actors/step/drafting.py), "
         "verified in one forward, only where the measured step cost pays for them; a "
         "request can say speculative: false",
     )  # fmt: skip

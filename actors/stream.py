@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
 
 from .errors import GenerationFailed
 from .request import Event, FinishReason, Result, SamplingParams
-
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .row import Row
+from .row import Row
 
 
 @attrs.define(eq=False)
@@ -24,7 +20,9 @@ class RequestStream:
     cancels the request: its row is evicted within one step and its KV freed.
     """
 
-    _engine: Engine
+    # The engine's two doors: queue a row (raises Overloaded), ask a row to end.
+    _enqueue: Callable[[Row], Awaitable[None]]
+    _cancel: Callable[[int, str], None]
     _row: Row | None  # handed to admission on entering; never touched after
     id: int
     params: SamplingParams
@@ -41,7 +39,7 @@ class RequestStream:
         row, self._row = self._row, None
         if row is None:
             raise RuntimeError("a request stream starts once")
-        await self._engine._enqueue(row)
+        await self._enqueue(row)
 
     async def __aenter__(self) -> RequestStream:
         if self._row is not None:
@@ -56,7 +54,7 @@ class RequestStream:
     def cancel(self, reason: str = "cancelled by the caller") -> None:
         """Ask for the request to end now; its terminal event (``cancelled``, or
         whatever end it reached first) still arrives on the stream."""
-        self._engine._cancel(self.id, reason)
+        self._cancel(self.id, reason)
 
     async def result(self) -> Result:
         """Read the rest of the stream into a :class:`Result`; raises

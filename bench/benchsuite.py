@@ -39,7 +39,7 @@ import httpx
 import trio
 from edits import edit_messages, natural_messages  # bench/ (this script's folder)
 from mlx_nursery.actors.disk_cache import KV_DIR_ENV
-from mlx_nursery.actors.loading import cast
+from mlx_nursery.actors.models.load import cast
 from mlx_nursery.server.bench import WORDS, LoadSpec, one_request, prompts, run_load, storm
 from mlx_nursery.server.launch import MLX_LAUNCH
 from mlx_nursery.server.serve import OPENBLAS_ENV, find_openblas
@@ -181,7 +181,7 @@ def copy_traffic(model, tokenizer, *, legacy: bool) -> dict:
 
     from mlx_nursery.actors import open_engine
     from mlx_nursery.actors import prefill as prefill_module
-    from mlx_nursery.actors import rows as rows_module
+    from mlx_nursery.actors.step import batch as batch_module
 
     rng = random.Random(11)
     spec = LoadSpec(url="", requests=32, prompt_tokens=300, seed=11)
@@ -217,7 +217,7 @@ def copy_traffic(model, tokenizer, *, legacy: bool) -> dict:
         return plan(jobs, step_size, False, min_shared)
 
     with (
-        mock.patch.object(rows_module.Batch, "reusable", property(lambda self: False)),
+        mock.patch.object(batch_module.Batch, "reusable", property(lambda self: False)),
         mock.patch.object(prefill_module, "plan_turn", alone),
     ):
         return trio.run(go)
@@ -1315,7 +1315,7 @@ def float32_copy(gguf_file: Path) -> Path:
     same float32 weights."""
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model, load, save_model
-    from mlx_nursery.actors.models import resolve
+    from mlx_nursery.actors.models.registry import resolve
 
     source = Path(resolve(gguf_file))
     out = source.with_name(source.name + "-dequantized")
@@ -1409,7 +1409,7 @@ def main() -> int:
                                    *sys.argv[1:]], dict(os.environ, LD_PRELOAD=lib))  # fmt: skip
 
     from mlx_lm import load as mlx_load
-    from mlx_nursery.actors.models import DEFAULT, fetch
+    from mlx_nursery.actors.models.registry import DEFAULT, fetch
 
     if args.scale_out:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "goldens"))

@@ -55,15 +55,15 @@ def main() -> None:
     import gguf
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_nursery.actors import models
-    from mlx_nursery.actors.gguf import _hf_name
-    from mlx_nursery.actors.gguf_tensors import BLOCK_AFFINE, FLOAT, REPACKED, convert_tensor
-    from mlx_nursery.actors.loading import load_model
+    from mlx_nursery.actors.models import registry
+    from mlx_nursery.actors.models.gguf import _hf_name
+    from mlx_nursery.actors.models.gguf_tensors import BLOCK_AFFINE, FLOAT, REPACKED, convert_tensor
+    from mlx_nursery.actors.models.load import load_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a GGUF file (default: Gemma 3 270M)")
     args = parser.parse_args()
-    path = args.model or str(models.fetch(models.GEMMA3_270M))
+    path = args.model or str(registry.fetch(registry.GEMMA3_270M))
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
     kinds: dict[str, list] = {}

@@ -58,7 +58,7 @@ def attention_ms(rows: int, heads: int, head_dim: int, length: int, layers: int)
 @contextlib.contextmanager
 def no_attention(model):
     """The model's attention replaced by its queries (the step's other work only)."""
-    from mlx_nursery.actors import ragged
+    from mlx_nursery.actors.step import ragged
 
     namespaces = ragged._namespaces(model)
     kept = [n.scaled_dot_product_attention for n in namespaces]
@@ -73,7 +73,7 @@ def no_attention(model):
 
 def main() -> None:
     from mlx_lm import load
-    from mlx_nursery.actors import ragged
+    from mlx_nursery.actors.step import ragged
 
     default = Path.home() / ".cache/mlx-nursery/bench-llama-30m"
     folder = sys.argv[1] if len(sys.argv) > 1 else default

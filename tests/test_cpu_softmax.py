@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_nursery.actors import cpu_softmax, ragged
+from mlx_nursery.actors.step import cpu_softmax, ragged
 
 pytestmark = pytest.mark.skipif(
     not cpu_softmax.available(), reason="no C compiler, or not Linux x86-64: mlx's own softmax"

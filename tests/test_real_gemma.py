@@ -17,7 +17,7 @@ from __future__ import annotations
 from functools import cache
 
 import pytest
-from mlx_nursery.actors import models
+from mlx_nursery.actors.models import registry
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -40,9 +40,9 @@ PROMPTS = {
 
 @cache
 def gemma_file() -> str:
-    if not models.GEMMA3_270M.file.is_file():
+    if not registry.GEMMA3_270M.file.is_file():
         pytest.skip("gemma-3-270m is not in the cache (`mlx-nursery models --fetch gemma-3-270m`)")
-    return str(models.GEMMA3_270M.file)
+    return str(registry.GEMMA3_270M.file)
 
 
 def test_the_tokenizer_equals_transformers_gguf_converter_for_gemma():
@@ -60,7 +60,7 @@ def test_the_tokenizer_equals_transformers_gguf_converter_for_gemma():
             "token_type": fields["tokenizer.ggml.token_type"].contents(),
         },
     )
-    _, tokenizer = load(str(models.resolve(gemma_file(), "float32")))
+    _, tokenizer = load(str(registry.resolve(gemma_file(), "float32")))
     for text in SAMPLE:
         ours = tokenizer.encode(text, add_special_tokens=False)
         assert ours == reference.encode(text).ids, text
@@ -74,7 +74,7 @@ async def test_served_completions_are_sensible_and_equal_mlx_lm(dtype):
     import trio
     from conftest import running_server
     from mlx_lm import generate
-    from mlx_nursery.actors.loading import load_model
+    from mlx_nursery.actors.models.load import load_model
 
     model, tokenizer, _ = load_model(gemma_file(), dtype)
     want = {p: generate(model, tokenizer, p, max_tokens=8) for p in PROMPTS}

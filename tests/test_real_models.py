@@ -15,7 +15,7 @@ import pytest
 import trio
 from conftest import checked_engine
 from mlx_lm import stream_generate
-from mlx_nursery.actors import models
+from mlx_nursery.actors.models import registry
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -58,11 +58,11 @@ def long_document() -> str:
 @cache
 def smollm2():
     """The real model, loaded once per session: (model, tokenizer)."""
-    from mlx_nursery.actors.loading import load_model
+    from mlx_nursery.actors.models.load import load_model
 
-    if not models.DEFAULT.file.is_file():
-        pytest.skip(f"{models.DEFAULT.id} is not in the cache (`mlx-nursery models --fetch`)")
-    model, tokenizer, _ = load_model(str(models.DEFAULT.file), "float32")
+    if not registry.DEFAULT.file.is_file():
+        pytest.skip(f"{registry.DEFAULT.id} is not in the cache (`mlx-nursery models --fetch`)")
+    model, tokenizer, _ = load_model(str(registry.DEFAULT.file), "float32")
     return model, tokenizer
 
 

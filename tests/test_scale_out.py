@@ -283,11 +283,11 @@ async def test_three_ranks_of_smollm2_equal_mlx_lm_tensor_parallel():
     """The real SmolLM2-135M (9 heads / 3 KV heads: three ranks of 3 / 1), chat
     prompts one at a time and staggered, against mlx-lm's three-rank TP."""
     from mlx_lm.utils import load_tokenizer
-    from mlx_nursery.actors import models
+    from mlx_nursery.actors.models import registry
 
-    if not models.DEFAULT.file.is_file():
-        pytest.skip(f"{models.DEFAULT.id} is not in the cache (`mlx-nursery models --fetch`)")
-    model = models.resolve(models.DEFAULT.file)
+    if not registry.DEFAULT.file.is_file():
+        pytest.skip(f"{registry.DEFAULT.id} is not in the cache (`mlx-nursery models --fetch`)")
+    model = registry.resolve(registry.DEFAULT.file)
     tokenizer = load_tokenizer(model)
     questions = [  # four: each staggered arrival joins a running batch
         "What is the capital of France?",

@@ -1,4 +1,4 @@
-"""Speculative decoding (actors/speculate.py, rows.Batch._verify): drafts verified in
+"""Speculative decoding (actors/step/drafting.py, step/verify.py): drafts verified in
 the continuous batch give mlx-lm's own tokens.
 
 The golden models are tiny and random: left to the gate, they rarely draft (their
@@ -21,8 +21,10 @@ import trio
 from conftest import checked_engine, golden, loaded, model_path, running_server
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_nursery.actors.request import SamplingParams
-from mlx_nursery.actors.rows import Batch, Prefill, Speculation
-from mlx_nursery.actors.speculate import Drafter, Gate, Matches, NgramIndex, SharedIndex
+from mlx_nursery.actors.step.batch import Batch
+from mlx_nursery.actors.step.drafting import Drafter, Gate, Matches, NgramIndex, SharedIndex
+from mlx_nursery.actors.step.joiner import Prefill
+from mlx_nursery.actors.step.verify import Speculation, Verifier
 from test_parity import _play_scenarios
 
 PLAIN_KV = ("llama", "qwen3")  # the golden families whose caches can be cut back
@@ -221,7 +223,7 @@ async def test_verify_steps_attend_folded_and_stay_exact(forced_drafts, monkeypa
     """A verify step's forward, and only it, takes the CPU attention's verify path
     (the query heads of each key head folded into one matmul), and its rows keep
     mlx-lm's tokens: under the reference BLAS the folded matmul has the same bits."""
-    from mlx_nursery.actors import cpu_softmax
+    from mlx_nursery.actors.step import cpu_softmax
 
     seen, attention = [], cpu_softmax.attention
 
@@ -340,14 +342,14 @@ def test_rows_rolled_back_apart_keep_their_kv_in_token_order(forced_drafts):
     g = golden("llama")
     cases = g["serial"][:3]
     prompts = [c["prompt_ids"] for c in cases]
-    batch = Batch(model, spec=Speculation(8))
+    batch = Batch(model, verifier=Verifier(Speculation(8)))
     # What the rows will say, for them to draft from: rows 0 and 2 right, row 1
     # with every fifth token wrong (it keeps part of each run).
     for i, case in enumerate(cases):
         said = list(case["tokens"])
         if i == 1:
             said[4::5] = [t + 1 for t in said[4::5]]
-        batch.spec.shared.add(case["prompt_ids"] + said)
+        batch.verifier.spec.shared.add(case["prompt_ids"] + said)
     for i, prompt in enumerate(prompts):
         job = Prefill(model, prompt, SamplingParams(max_tokens=40), 32, row_id=i)
         while job.remaining > 0:
@@ -509,27 +511,27 @@ def test_gate_times_a_plain_step_only_by_an_uninterrupted_period(monkeypatch):
     """A plain step's period is a cost figure only when the GPU call before its
     own was the last plain step's, with the same rows and no join: a prefill
     chunk, a leave or a join in between is not the step's cost."""
-    from mlx_nursery.actors import rows
+    from mlx_nursery.actors.step import verify
 
     model, _ = loaded("llama")
     case = golden("llama")["serial"][0]
-    batch = Batch(model, spec=Speculation(8))
+    batch = Batch(model, verifier=Verifier(Speculation(8)))
     job = Prefill(model, case["prompt_ids"], SamplingParams(max_tokens=40), 32, row_id=0)
     while job.remaining > 0:
         job.chunk()
     joiner = job.prime()
     joiner.read_first()
     batch.join([joiner])
-    gate = batch.spec.gate
+    gate = batch.verifier.spec.gate
     for _ in range(3):  # measured lately: no timed step
         gate.observe(1, 1, 0.05)
     call = iter([10, 11, 12, 14, 15, 16, 17])
-    monkeypatch.setattr(rows, "calls_begun", lambda: next(call))
+    monkeypatch.setattr(verify, "calls_begun", lambda: next(call))
 
     def plain_steps(n: int) -> int:
         before = gate.counts[(1, 1)]
         for _ in range(n):
-            batch._plain()
+            batch.plain()
         return gate.counts[(1, 1)] - before
 
     assert plain_steps(3) == 2  # calls 10, 11, 12: two periods
@@ -543,7 +545,7 @@ def test_gate_times_a_plain_step_only_by_an_uninterrupted_period(monkeypatch):
     primed = other.prime()
     primed.read_first()
     batch.join([primed])  # a joiner: the next period would hold its join
-    assert batch._plain_at is None
+    assert batch.verifier._plain_at is None
 
 
 async def test_seeded_rows_give_the_same_tokens_with_speculation_on_and_off(forced_drafts):

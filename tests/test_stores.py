@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from mlx_nursery.actors import stores
-from mlx_nursery.actors.models import resolve, short_id
+from mlx_nursery.actors.models import stores
+from mlx_nursery.actors.models.registry import resolve, short_id
 from test_gguf import assert_served_as, write_gguf
 
 

@@ -16,9 +16,9 @@ from mlx_nursery.actors.gpu import Gpu
 from mlx_nursery.actors.prefill import MIN_SHARED, PRIMES_PER_TURN, plan_turn
 from mlx_nursery.actors.request import FinishReason, Lane, SamplingParams
 from mlx_nursery.actors.row import Cancel, End, Finish, IllegalTransition, Phase, Row, RowTimes
-from mlx_nursery.actors.rows import Prefill
 from mlx_nursery.actors.settings import EngineSettings
 from mlx_nursery.actors.stats import Histogram
+from mlx_nursery.actors.step.joiner import Prefill
 
 
 def row(i, lane=Lane.CONTINUOUS, prompt=(1, 2), eos=(), **params):
@@ -387,7 +387,7 @@ def _kv_cache(length: int, seed: int):
 def test_a_join_writes_the_batch_in_one_copy_as_mlx_lms_merge_and_extend_would():
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
-    from mlx_nursery.actors.rows import _side_by_side
+    from mlx_nursery.actors.step.kv import side_by_side
 
     def parts():
         batch = BatchKVCache.merge([_kv_cache(5, 1), _kv_cache(9, 2)])
@@ -397,7 +397,7 @@ def test_a_join_writes_the_batch_in_one_copy_as_mlx_lms_merge_and_extend_would()
 
     batch, *solo = parts()
     batch.extend(BatchKVCache.merge(solo))  # mlx-lm's way
-    ours = _side_by_side(parts())
+    ours = side_by_side(parts())
     assert ours.keys.shape[2] > ours._idx == batch._idx == 30  # room for the next write
     assert ours.left_padding.tolist() == batch.left_padding.tolist() == [24, 20, 0, 27]
     assert ours.offset.tolist() == batch.offset.tolist() == [6, 10, 30, 3]
@@ -408,4 +408,4 @@ def test_a_join_writes_the_batch_in_one_copy_as_mlx_lms_merge_and_extend_would()
     written = zip(ours.update_and_fetch(new, new), batch.update_and_fetch(new, new), strict=True)
     assert all(mx.array_equal(got, want).item() for got, want in written)
     assert ours.keys.shape[2] == size  # written in place, not grown by a copy
-    assert _side_by_side([batch, RotatingKVCache(max_size=8)]) is None  # mlx-lm's way
+    assert side_by_side([batch, RotatingKVCache(max_size=8)]) is None  # mlx-lm's way

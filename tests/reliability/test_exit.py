@@ -80,10 +80,10 @@ async def test_sigterm_right_after_a_long_request_always_exits(tmp_path):
 
 @pytest.mark.real
 async def test_smollm2_exits_after_a_long_request_where_openblas_once_hung_it(tmp_path):
-    from mlx_nursery.actors import models
+    from mlx_nursery.actors.models import registry
 
-    if not models.DEFAULT.file.is_file():
-        pytest.skip(f"{models.DEFAULT.id} is not in the cache (`mlx-nursery models --fetch`)")
+    if not registry.DEFAULT.file.is_file():
+        pytest.skip(f"{registry.DEFAULT.id} is not in the cache (`mlx-nursery models --fetch`)")
     prompt = " ".join(f"Line {i}: the harbour keeps lanterns and a map of the coast."
                       for i in range(60))  # fmt: skip
     await terminate_many(tmp_path, REAL_RUNS, [], prompt)  # the default model

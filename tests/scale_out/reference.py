@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import sharded_load
-from mlx_nursery.actors.loading import cast
+from mlx_nursery.actors.models.load import cast
 
 
 def main() -> None:

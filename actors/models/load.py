@@ -8,12 +8,12 @@ from typing import Any
 
 import attrs
 
-from . import ragged
-from .budget import LayerCost, probe
-from .errors import InvalidRequest
-from .models import resolve, short_id
-from .ranks import SharedInputs, sharded_load
-from .speculate import DraftModel
+from ..budget import LayerCost, probe
+from ..errors import InvalidRequest
+from ..ranks import SharedInputs, sharded_load
+from ..step import ragged
+from ..step.drafting import DraftModel
+from .registry import resolve, short_id
 
 
 @attrs.frozen

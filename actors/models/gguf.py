@@ -26,7 +26,6 @@ by name. Tokenizers (``gguf_tokenizer``): byte-level BPE and SentencePiece.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -39,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ..paths import cache_root, sha256
 from .gguf_tensors import FLOAT, REPACKED, TensorError, convert_tensor, dequantize
 from .gguf_tokenizer import TokenizerError, build_tokenizer
 
@@ -88,14 +88,6 @@ class GGUFError(ValueError):
     """A GGUF file this server cannot serve; the message names the file and why."""
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def file_digest(path: Path) -> str:
     """The file's sha256: read from the name of a content-addressed blob
     (Ollama's ``sha256-<hex>``, checked by Ollama when it pulled it), else
@@ -103,12 +95,6 @@ def file_digest(path: Path) -> str:
     if re.fullmatch(r"sha256-[0-9a-f]{64}", path.name):
         return path.name.removeprefix("sha256-")
     return sha256(path)
-
-
-def cache_root() -> Path:
-    """Where converted and downloaded models live (``MLX_NURSERY_CACHE`` overrides)."""
-    env = os.environ.get("MLX_NURSERY_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "mlx-nursery"
 
 
 def converted(

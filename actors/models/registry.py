@@ -26,8 +26,9 @@ from pathlib import Path
 
 import attrs
 
+from ..paths import cache_root, sha256
 from . import stores
-from .gguf import MODES, cache_root, converted, sha256
+from .gguf import MODES, converted
 
 log = logging.getLogger("mlx_nursery.models")
 

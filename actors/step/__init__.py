@@ -1,0 +1,15 @@
+"""The decode step's GPU-thread state: what ``gpu.call`` runs, never the event loop.
+
+- ``batch``: the running batch (membership, KV, the plain pipelined step);
+- ``verify``: speculation's verify step, settle and rollback, and the gate's timing;
+- ``drafting``: the drafters (n-gram indexes, a draft model) and the gate;
+- ``joiner``: a joiner's prefill and prime (alone, or several padded together);
+- ``slots``: a row's sampling state in a batch, and what a step reads from it;
+- ``kv``: KV cache helpers the batch, the joiner and the prompt cache share;
+- ``ragged``, ``cpu_softmax``: the CPU kernels a verify step's attention and
+  logsumexp use.
+
+The actors own these objects and hand them to the GPU thread; nothing here
+imports an actor. Importers name the module (``step.batch.Batch``): this package
+re-exports nothing, so taking ``kv`` does not load the batch.
+"""

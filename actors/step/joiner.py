@@ -1,0 +1,153 @@
+"""A joiner's prefill: its prompt into KV, chunk by chunk, then its first token.
+
+Runs on the GPU thread. A :class:`Prefill` job fills one row's solo caches and
+primes it into a one-row ``batch.Batch`` (its first token sampled, pending);
+:func:`prefill_together` does several as one padded batch. Either way the result
+joins the running batch as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
+
+from ..ranks import Mirrored, mirrored
+from ..request import SamplingParams
+from .batch import Batch
+from .kv import clone, extracted, merge
+from .slots import Slot, build_sampling
+
+
+@mirrored(Mirrored.PREFILL)
+@attrs.define(eq=False)
+class Prefill:
+    """A joiner's solo prefill: its prompt but the last token, chunk by chunk, on
+    serial-class caches (fresh, or a prompt-cache clone already holding the first
+    ``done`` tokens). ``prime`` then forwards the last token and samples the row's
+    first token on those caches (mlx-lm's tail convention).
+
+    Chunks split exactly at each boundary in ``snapshot_at``; there a clone of
+    the caches is kept in ``snapshots`` for the prompt cache. Made on the event
+    loop (no mlx until the first chunk); between GPU calls the prefill actor reads
+    ``done`` and adds to ``snapshot_at``."""
+
+    model: Any
+    prompt: list[int]
+    params: SamplingParams
+    step_size: int
+    caches: list[Any] | None = None  # None until the take or the first chunk
+    done: int = 0  # prompt tokens already in the caches
+    taken: bool = False  # the prompt-cache take is in (caches/done set from it)
+    started: bool = False  # a chunk (or the prime) has run: the take is final
+    snapshot_at: set[int] = attrs.field(factory=set)
+    snapshots: list[tuple[int, list[Any]]] = attrs.field(factory=list)
+    row_id: int | None = None  # carried into the row's batch slot
+    stop_ids: frozenset[int] = frozenset()  # the row's, carried into its slot
+
+    def start_from(self, caches: list[Any] | None, cached: int) -> None:
+        """Begin from a prompt-cache take (no caches: from scratch)."""
+        self.caches, self.done, self.taken = caches, cached if caches else 0, True
+
+    def forget_take(self) -> None:
+        """Drop a take gone stale before the first chunk; take again later."""
+        self.caches, self.done, self.taken = None, 0, False
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to prefill before the last one."""
+        return len(self.prompt) - 1 - self.done
+
+    def next_take(self, budget: int | None = None) -> int:
+        """Tokens the next chunk takes: at most ``step_size`` and ``budget``, and
+        never past the next snapshot boundary."""
+        n = min(self.step_size, self.remaining, budget or self.step_size)
+        ahead = [b - self.done for b in self.snapshot_at if b > self.done]
+        return min(n, *ahead) if ahead else n
+
+    def chunk(self, budget: int | None = None) -> int:
+        """Prefill the next chunk alone (see :meth:`next_take`)."""
+        self._start()
+        n = self.next_take(budget)
+        if n > 0:
+            tokens = mx.array(self.prompt[self.done : self.done + n])
+            self.model(tokens[None], cache=self.caches)
+            mx.eval([c.state for c in self.caches])
+            self.advanced(n, lambda: [clone(c) for c in self.caches])
+            mx.clear_cache()
+        return n
+
+    def advanced(self, n: int, snapshot) -> None:
+        """``n`` more prompt tokens are in; keep ``snapshot()`` at a boundary."""
+        self.done += n
+        if self.done in self.snapshot_at:
+            self.snapshots.append((self.done, snapshot()))
+
+    def _start(self) -> None:
+        self.started = True
+        if self.caches is None:
+            self.caches = make_prompt_cache(self.model)
+
+    def slot(self) -> Slot:
+        sampler, processors = build_sampling(self.params)
+        context = TokenBuffer(self.prompt[:-1]) if processors else None
+        return Slot(
+            self.params, sampler, processors, context, row_id=self.row_id,
+            stop_ids=self.stop_ids, left=self.params.max_tokens, prompt=self.prompt,
+        )  # fmt: skip
+
+    def prime(self) -> Batch:
+        self._start()
+        batch = Batch(self.model, [self.slot()], self.caches, batched=False)
+        batch.next_tokens = mx.array(self.prompt[-1:])
+        batch.forward()
+        return batch
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches) if self.caches else 0
+
+
+def prefill_together(jobs: Sequence[Prefill]) -> Batch:
+    """Prefill several joiners' remaining prompts as one padded batch and prime
+    them together: one batched :class:`Batch` whose first tokens are pending.
+
+    As mlx-lm's ``PromptProcessingBatch``: the rows' caches are merged (mlx-lm's
+    ``merge`` left-pads what a prompt-cache take already holds), each chunk is
+    right-padded to its widest row with the cache told the lengths
+    (``prepare``), and ``finalize`` rolls the pads to the left, where the batch
+    mask hides them (a finite bias; see docs/batching.md). A row takes at most
+    ``step_size`` tokens a chunk and stops at its snapshot boundaries, where its
+    KV is extracted for the prompt cache. Only for caches that take padding
+    exactly (plain ``KVCache``); the caller checks."""
+    for job in jobs:
+        job._start()
+    caches = merge([job.caches for job in jobs])
+    for job in jobs:
+        job.caches = None  # the rows' KV lives in the batch now
+    while any(job.remaining > 0 for job in jobs):
+        takes = [job.next_take() for job in jobs]
+        width = max(takes)
+        pads = [width - n for n in takes]
+        rows = [
+            job.prompt[job.done : job.done + n] + [0] * p
+            for job, n, p in zip(jobs, takes, pads, strict=True)
+        ]
+        if max(pads) > 0:
+            for c in caches:
+                c.prepare(lengths=takes, right_padding=pads)
+        jobs[0].model(mx.array(rows), cache=caches)
+        if max(pads) > 0:
+            for c in caches:
+                c.finalize()
+        mx.eval([c.state for c in caches])
+        for i, (job, n) in enumerate(zip(jobs, takes, strict=True)):
+            job.advanced(n, lambda i=i: extracted(caches, i))
+        mx.clear_cache()
+    batch = Batch(jobs[0].model, [job.slot() for job in jobs], caches, batched=True)
+    batch.next_tokens = mx.array([job.prompt[-1] for job in jobs])
+    batch.forward()
+    return batch

@@ -1,0 +1,143 @@
+"""A row's sampling state inside a batch, and what a step reads from it.
+
+Everything here runs on the GPU thread (samplers and processors hold arrays).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from mlx_lm.models.cache import TokenBuffer
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
+
+from ..request import SamplingParams, TopLogprob
+from .drafting import PACE_PRIOR, Drafter
+
+
+def build_sampling(params: SamplingParams):
+    """mlx-lm's sampler and logits processors for one row (GPU thread: they hold arrays)."""
+    if params.greedy:
+        sampler = greedy_sampler  # one shared object: an all-greedy batch samples once
+    else:
+        sampler = make_sampler(
+            params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
+        )
+    processors = make_logits_processors(
+        logit_bias=dict(params.logit_bias) if params.logit_bias else None,
+        repetition_penalty=params.repetition_penalty,
+        repetition_context_size=params.repetition_context_size,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+    )
+    return sampler, processors + list(params.logits_processors)
+
+
+@attrs.frozen
+class Sampled:
+    """One row's token read from one step, or the fault that ended the row there."""
+
+    token: int
+    logprob: float | None
+    top_logprobs: tuple[TopLogprob, ...] | None
+    error: str | None = None  # this row's own work (processors, sampler, logprobs) failed
+
+
+@attrs.frozen
+class Read:
+    """What one step read from one slot: its tokens in order (a plain step reads
+    one, a verify step one and the drafts it kept; none when its pending token was
+    read at prime and no draft was kept), and what it drafted: ``drafted`` tokens
+    by ``drafter``, ``accepted`` of them kept."""
+
+    tokens: tuple[Sampled, ...]
+    drafter: str | None = None
+    drafted: int = 0
+    accepted: int = 0
+
+
+
+
+def row_fault(exc: BaseException) -> str:
+    return f"this request failed while generating: {type(exc).__name__}: {exc}"
+
+
+def read_logprobs(
+    logprobs: mx.array, token: int, params: SamplingParams
+) -> tuple[float | None, tuple[TopLogprob, ...] | None]:
+    """The chosen token's logprob and the top-N alternatives, as plain Python."""
+    if not params.wants_logprobs:
+        return None, None
+    chosen = logprobs[token].item()
+    top = None
+    if params.top_logprobs:
+        k = params.top_logprobs
+        idx = mx.argpartition(-logprobs, k - 1)[:k]
+        vals = logprobs[idx]
+        pairs = sorted(zip(idx.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
+        top = tuple(TopLogprob(int(i), float(v)) for i, v in pairs)
+    return chosen, top
+
+
+@attrs.define(eq=False)
+class Slot:
+    """One row inside a batch: its sampling state. Never holds prompt text."""
+
+    params: SamplingParams
+    sampler: Any
+    processors: list
+    context: TokenBuffer | None  # tokens seen so far, kept only for processors
+    # The pending token was already read (a joiner's first token, read at prime):
+    # the next step feeds it and must not hand it out again.
+    pending_read: bool = False
+    # This row's own work failed while building a step (its processors, sampler):
+    # the next read ends the row with it. Its siblings are untouched.
+    fault: str | None = None
+    row_id: int | None = None  # the row it holds, for the owner's bookkeeping
+    # A retired row's slot: still stepped (its output never read) until a joiner
+    # is written over it in place or the batch is compacted.
+    dead: bool = False
+    # Drafting (speculate.py). The row's ids that end it, and how many tokens it
+    # may still read, so a verify step keeps no draft past its end (Row.accept
+    # decides the same on the event loop); its prompt, for its drafter, made when
+    # it joins a batch that drafts.
+    stop_ids: frozenset[int] = frozenset()
+    left: int = 0
+    read: int = 0  # tokens read, and steps taken, in this batch: its pace
+    steps: int = 0
+    prompt: list[int] | None = attrs.field(default=None, repr=False)
+    drafter: Drafter | None = None
+    pending_known: bool = False  # the pending token is evaluated and in the drafter
+    first: int | None = None  # its first token, read at prime (for its drafter)
+    # Where its first tokens sit in the batch KV buffer, relative to its left
+    # padding, in token order (the tokens after them sit in order after them);
+    # None: all in order. Verify steps reorder a row's keys (``Verifier.roll_back``);
+    # taking its KV out puts them back in order.
+    order: list[int] | None = attrs.field(default=None, repr=False)
+
+    def counted(self, token: int) -> bool:
+        """One more token read; True when the row ends on it."""
+        self.left -= 1
+        self.read += 1
+        return token in self.stop_ids or self.left <= 0
+
+    def steps_left(self) -> float:
+        """Steps until it reaches its ``max_tokens`` at its pace so far (tokens
+        read per step, from a prior of one a step over PACE_PRIOR steps)."""
+        return self.left * (self.steps + PACE_PRIOR) / (self.read + PACE_PRIOR)
+
+    def sampled(self, token: int, logprobs: mx.array) -> Sampled:
+        """The token read, with its logprobs where asked; a failure there is this row's fault."""
+        try:
+            logprob, top = read_logprobs(logprobs, token, self.params)
+        except Exception as exc:
+            self.fault = row_fault(exc)
+            return Sampled(token, None, None, error=self.fault)
+        return Sampled(token, logprob, top)
+
+    @classmethod
+    def retired(cls) -> Slot:
+        return cls(SamplingParams(), greedy_sampler, [], None, dead=True)
+
+
