@@ -35,7 +35,6 @@ import attrs
 import trio
 
 from .emitter import Ended
-from .errors import InvalidRequest
 from .gpu import Gpu
 from .mailbox import closing
 from .prompt_cache import Trim
@@ -115,24 +114,6 @@ class Plan:
 def share_key(row: Row) -> str | tuple[str, int]:
     """Whom a row's slot is counted against: its session, else the row alone."""
     return row.session if row.session is not None else ("row", row.id)
-
-
-MAX_WEIGHT = 1000.0
-
-
-def session_weight(value: Any) -> float:
-    """A session weight as given (a header's text, a number), checked."""
-    try:
-        weight = float(value)
-    except (TypeError, ValueError):
-        weight = math.nan
-    if isinstance(value, bool) or not 0 < weight <= MAX_WEIGHT:
-        raise InvalidRequest(
-            f"session_weight must be a number above 0 and at most {MAX_WEIGHT:g} (1 is "
-            f"the default share), got {value!r}",
-            param="session_weight",
-        )
-    return weight
 
 
 def weights_of(rows: Iterable[Row]) -> dict[Any, float]:

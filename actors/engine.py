@@ -26,20 +26,20 @@ import attrs
 import trio
 
 from . import admission, decode, disk_cache, emitter, prefill, prompt_cache, serial
-from .admission import Admission, Enqueue, Refused, Shutdown, session_weight
+from .admission import Admission, Enqueue, Refused, Shutdown
 from .budget import auto_budget
 from .constrain import ll_tokenizer
 from .decode import Decode
 from .emitter import Emitter
 from .errors import EngineClosed, InvalidRequest, Overloaded
 from .gpu import Gpu
-from .intake import Intake, Prompt
+from .intake import Intake
 from .mailbox import Mailbox
 from .models.load import ModelInfo, load_draft, load_model
 from .prefill import PrefillActor
 from .prompt_cache import PromptCacheActor
 from .ranks import RankWatch, follow, lead, rank_figures
-from .request import Result
+from .request import Prompt, Request, Result
 from .row import Cancel, Phase, Row, RowView, SessionView, sessions, tree, view
 from .serial import Serial
 from .settings import EngineSettings
@@ -74,19 +74,19 @@ class Engine:
     # -- the API ----------------------------------------------------------------
 
     def submit(self, prompt: Prompt, **params: Any) -> RequestStream:
-        """Validate and place one request; enter the returned stream to run it.
+        """:meth:`submit_request` in keyword form (:meth:`Request.of`): ``params``
+        are :class:`SamplingParams` fields (``stop`` may be a string), plus
+        ``request_id``, ``session``, ``parent`` and ``session_weight``."""
+        return self.submit_request(Request.of(prompt, **params))
 
-        ``params`` are :class:`SamplingParams` fields (``stop`` may be a string),
-        plus ``request_id`` (the caller's label), ``session`` (the agent session
-        it belongs to: sessions share the batch's slots, see ``admission.py``) and
-        ``parent`` (the session that one runs under, for :meth:`cancel_session`)
-        and ``session_weight`` (its session's weight in sharing the slots, default
-        1), all kept on the row for dashboards and logs.
-        Raises :class:`InvalidRequest` at once for a request the engine cannot run,
-        and :class:`Overloaded` while the queue is full: that is checked first, so
-        shedding load costs no rendering or tokenizing (the stream's ``start``
-        still asks admission, which refuses what arrives as the queue fills).
-        """
+    def submit_request(self, request: Request) -> RequestStream:
+        """Validate and place one request; enter the returned stream to run it.
+        Its labels and session stay on the row for dashboards, logs and
+        :meth:`cancel_session`. Raises :class:`InvalidRequest` at once for a
+        request the engine cannot run, and :class:`Overloaded` while the queue is
+        full: that is checked first, so shedding load costs no rendering or
+        tokenizing (the stream's ``start`` still asks admission, which refuses
+        what arrives as the queue fills)."""
         if self._closed:
             raise EngineClosed("the engine is shutting down and takes no new requests")
         if self._gpu.lost is not None:
@@ -95,19 +95,11 @@ class Engine:
         if refused is not None:
             self.stats_actor.post(Count(Metric.OVERLOADED))
             raise _overloaded(refused)
-        request_id, session = params.pop("request_id", None), params.pop("session", None)
-        parent, weight = params.pop("parent", None), params.pop("session_weight", None)
         try:
-            weight = None if weight is None else session_weight(weight)
-            row, receive = self.intake.row(prompt, params)
+            row, receive = self.intake.row(request)
         except InvalidRequest:
             self.stats_actor.post(Count(Metric.REJECTED))
             raise
-        row.request_id = None if request_id is None else str(request_id)
-        row.session = None if session is None else str(session)
-        row.parent = None if parent is None or row.session is None else str(parent)
-        if weight is not None:
-            row.weight = weight
         self._live[row.id] = row
         return RequestStream(
             self._enqueue, self._cancel, row, row.id, row.params, receive, len(row.prompt)

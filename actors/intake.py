@@ -8,7 +8,7 @@ context and the KV budget. Placement on a lane is decided here too.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -26,7 +26,7 @@ from .constrain import (
 )
 from .errors import ContextOverflow, InvalidRequest
 from .models.load import ModelInfo
-from .request import Lane, SamplingParams
+from .request import Lane, Prompt, Request, SamplingParams, session_weight
 from .row import Row, RowTimes
 from .settings import EngineSettings
 from .tools import (
@@ -42,8 +42,6 @@ from .tools import (
     tool_format,
 )
 
-Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
-
 
 @attrs.define(eq=False)
 class Intake:
@@ -54,13 +52,12 @@ class Intake:
     ll_tokenizer: Any = None  # llguidance's view of the tokenizer (None: no constraints)
     _ids: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
 
-    def row(
-        self, prompt: Prompt, params: Mapping[str, Any]
-    ) -> tuple[Row, trio.MemoryReceiveChannel]:
+    def row(self, request: Request) -> tuple[Row, trio.MemoryReceiveChannel]:
         """A QUEUED row for this request, and the receive end of its event channel
         (sized for every token plus the terminal event: delivery never blocks).
         Raises :class:`InvalidRequest` for anything the engine cannot run."""
-        sampling, ids, boundary = self.prompt(prompt, params)
+        weight = 1.0 if request.weight is None else session_weight(request.weight)
+        sampling, ids, boundary = self.prompt(request.prompt, request.params)
         sampling = self._constrain(sampling)
         self._check_token_ids(sampling)
         self._check_context(ids, sampling)
@@ -78,6 +75,10 @@ class Intake:
             snapshot_at=boundary,
             kv_projected=kv,
             starts_thinking=self._opens_thinking(ids),
+            request_id=request.request_id,
+            session=request.session,
+            parent=request.parent if request.session is not None else None,
+            weight=weight,
         )
         return row, receive
 

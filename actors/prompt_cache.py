@@ -20,9 +20,9 @@ this actor's own task only, so the store has one owner.
 With a disk tier (``disk_cache.py``), a take that memory serves less well than a
 file on disk loads the file instead; long entries are written soon after their
 put (unless the conversation's next turn supersedes them first) and others when
-memory evicts them, by one writer task, so no write waits on the GPU thread or
-blocks the loop. Each agent session's latest entry is pinned while the session
-is active (see ``PIN_SECONDS``).
+memory evicts them, by one writer task (``disk_writer.DiskWriter``), so no write
+waits on the GPU thread or blocks the loop. Each agent session's latest entry is
+pinned while the session is active (see ``PIN_SECONDS``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from mlx_lm.models.cache import (
 )
 
 from . import disk_cache
-from .disk_cache import BadFile, DiskEntry, DiskTier, as_tokens, holds, shared_length
+from .disk_cache import BadFile, DiskEntry, DiskTier, as_tokens, shared_length
+from .disk_writer import DiskWriter
 from .errors import RanksLost
 from .gpu import Gpu
 from .ranks import Mirrored, mirrored
@@ -284,21 +285,6 @@ class Trim:
 
 
 @attrs.define(eq=False)
-class PendingWrite:
-    tokens: np.ndarray = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
-    caches: list[Any] = attrs.field(repr=False)
-    kind: EntryKind
-    trimmable: bool
-    due: float  # trio time: written no sooner (a longer entry may supersede it first)
-
-    def covers(self, tokens: np.ndarray) -> bool:
-        return holds(self.tokens, self.trimmable, tokens)
-
-    def usable(self, prompt: np.ndarray) -> int:
-        return disk_cache.serves(self.tokens, self.trimmable, prompt)
-
-
-@attrs.define(eq=False)
 class PromptCacheActor:
     gpu: Gpu
     stats: Stats
@@ -308,26 +294,25 @@ class PromptCacheActor:
     disk: DiskTier | None = None  # the disk tier, or None
     _store: Store = attrs.field(init=False)
     _ceiling: int = attrs.field(init=False)  # the budget's share, lowered by Trim
-    _pending: list[PendingWrite] = attrs.field(factory=list, init=False)  # disk writes
-    _wake: trio.Event = attrs.field(factory=trio.Event, init=False)  # a write was queued
-    _hurry: bool = attrs.field(default=False, init=False)  # flushing: every write is due
+    _writer: DiskWriter | None = attrs.field(default=None, init=False)  # with a disk tier
     # Each session's latest entry and when the session was last seen (a put or a
     # take): pinned while seen within PIN_SECONDS.
     _pins: dict[str, tuple[tuple[int, ...], float]] = attrs.field(factory=dict, init=False)
     _handling: bool = attrs.field(default=False, init=False)  # a message in hand
-    _writing: PendingWrite | None = attrs.field(default=None, init=False)  # in hand
     _moved: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each
 
     def __attrs_post_init__(self) -> None:
         self._store = Store(max_size=self.max_entries, max_bytes=self.max_bytes)
         self._store.spill = self.disk is not None
         self._ceiling = self.max_bytes
+        if self.disk is not None:
+            self._writer = DiskWriter(self.disk, self.gpu, self.stats, self._written)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with self.inbox:
             async with trio.open_nursery() as nursery:
-                if self.disk is not None:
-                    nursery.start_soon(self._writer)
+                if self._writer is not None:
+                    nursery.start_soon(self._writer.run)
                 self._post_disk()
                 task_status.started()
                 async for message in self.inbox:
@@ -364,8 +349,8 @@ class PromptCacheActor:
                     await self.gpu.call(
                         self._store.put, tokens, caches, kind, self._ceiling, self._pinned()
                     )
-                if self.disk is not None and len(tokens) >= disk_cache.LONG_PREFIX:
-                    self._queue_write(message, disk_cache.WRITE_DELAY)
+                if self._writer is not None and len(tokens) >= disk_cache.LONG_PREFIX:
+                    self._writer.queue(tokens, caches, kind, disk_cache.WRITE_DELAY)
                 self._spilled()
             case Trim(max_bytes):
                 self._ceiling = min(self.max_bytes, max(0, max_bytes))
@@ -397,10 +382,10 @@ class PromptCacheActor:
             hit = await self.gpu.call(self._store.take, tokens)
         except RanksLost:  # the call never ran
             return Hit(None, 0)
-        if self.disk is None:
+        if self._writer is None:
             return hit
         mine = as_tokens(tokens)
-        held, kept = self._held(mine)
+        held, kept = self._writer.held(mine)
         entry, usable = self.disk.nearest(mine)
         if held is not None and kept > hit.cached and kept >= usable:
             # Evicted from memory, its write still queued or under way: its KV
@@ -413,11 +398,6 @@ class PromptCacheActor:
         if caches is None:
             return hit
         return Hit(caches, usable, _served(hit.report, tokens, usable, CacheTier.DISK))
-
-    def _held(self, prompt: np.ndarray) -> tuple[PendingWrite | None, int]:
-        """The queued (or writing) entry serving most of ``prompt``, and how many."""
-        jobs = [*self._pending, *([] if self._writing is None else [self._writing])]
-        return disk_cache.serving_most(jobs, prompt)
 
     async def _load(self, entry: DiskEntry, trim: int) -> list[Any] | None:
         """One file's caches, cut back by ``trim`` tokens; None if the file is bad
@@ -455,83 +435,12 @@ class PromptCacheActor:
         spilled, store.spilled = store.spilled, []
         for put in spilled:
             if len(put.tokens) >= PUT_MIN_PROMPT:
-                self._queue_write(put)
+                self._writer.queue(put.tokens, put.caches, put.kind)
 
-    def _queue_write(self, put: Put, delay: float = 0.0) -> None:
-        """Queue ``put``'s write, due in ``delay`` seconds. Where a queued write
-        holds it already, that one falls due no later: memory evicting an entry
-        whose put queued it (its session's pinned latest, when the pins outgrew
-        the cap) must not wait out the put's delay, or the session's next turn
-        a second later finds neither memory nor disk holding it."""
-        tokens = as_tokens(put.tokens)
-        due = trio.current_time() + delay
-        if self.disk.covered(tokens):
-            return
-        holding = [p for p in self._pending if p.covers(tokens)]
-        for p in holding:
-            p.due = min(p.due, due)
-        if holding:
-            self._wake.set()
-            return
-        trimmable = can_trim_prompt_cache(put.caches)
-        job = PendingWrite(tokens, put.caches, put.kind, trimmable, due)
-        # A longer entry that can be cut back makes a queued prefix of it moot.
-        kept = [p for p in self._pending if not (job.trimmable and job.covers(p.tokens))]
-        self._pending = [*kept, job]
-        while len(self._pending) > disk_cache.MAX_PENDING:
-            self._pending.pop(0)
-            self.stats.post(Count(Metric.PROMPT_CACHE_DISK_DROPPED))
-        self._wake.set()
-
-    async def _writer(self) -> None:
-        """Drain the write queue, one due entry at a time: freeze it on the GPU
-        thread (plain KV cut to length, evaluated), write it on a worker thread."""
-        while True:
-            job = self._next_due()
-            if job is None:
-                await self._nudged()
-                continue
-            self._pending.remove(job)
-            self._writing = job
-            try:
-                await self._write(job)
-            finally:
-                self._writing = None
-                self._post_disk()
-                self._step()
-
-    def _next_due(self) -> PendingWrite | None:
-        if not self._pending:
-            return None
-        job = min(self._pending, key=lambda p: p.due)
-        return job if self._hurry or job.due <= trio.current_time() else None
-
-    async def _nudged(self) -> None:
-        """Wait for a new write, a flush, or the next write falling due."""
-        due = min((p.due for p in self._pending), default=math.inf)
-        with trio.move_on_at(due):
-            await self._wake.wait()
-        self._wake = trio.Event()
-
-    async def _write(self, job: PendingWrite) -> None:
-        disk = self.disk
-        try:
-            frozen = await self.gpu.call_here(disk_cache.freeze, job.caches)
-            if frozen is None or frozen.nbytes > disk.cap:
-                self.stats.post(Count(Metric.PROMPT_CACHE_DISK_DROPPED))
-                return
-            entry = await trio.to_thread.run_sync(disk.write, job.tokens, frozen, job.kind.value)
-        except Exception as exc:  # a full disk, a lost rank: the entry stays in memory only
-            log.warning("prompt cache: could not write an entry to disk: %s", exc)
-            self.stats.post(Count(Metric.PROMPT_CACHE_DISK_DROPPED))
-            return
-        gone = disk.add(entry)
-        await trio.to_thread.run_sync(disk_cache.remove, gone)
-        self.stats.post(
-            Count(Metric.PROMPT_CACHE_DISK_WRITES),
-            Count(Metric.PROMPT_CACHE_DISK_WRITE_BYTES, entry.nbytes),
-            Count(Metric.PROMPT_CACHE_DISK_EVICTIONS, len(gone)),
-        )
+    def _written(self) -> None:
+        """The writer finished a write (or gave one up)."""
+        self._post_disk()
+        self._step()
 
     def _post_disk(self) -> None:
         if self.disk is None:
@@ -540,7 +449,7 @@ class PromptCacheActor:
             Gauge(Metric.PROMPT_CACHE_DISK_ENTRIES, len(self.disk.entries)),
             Gauge(Metric.PROMPT_CACHE_DISK_BYTES, self.disk.nbytes),
             Gauge(Metric.PROMPT_CACHE_DISK_CAP, self.disk.cap),
-            Gauge(Metric.PROMPT_CACHE_DISK_PENDING, len(self._pending)),
+            Gauge(Metric.PROMPT_CACHE_DISK_PENDING, self._writer.pending),
         )
 
     def _step(self) -> None:
@@ -550,17 +459,17 @@ class PromptCacheActor:
     async def flush(self, seconds: float = math.inf) -> bool:
         """Wait (up to ``seconds``) until every message is handled and every queued
         write is on disk. False when time ran out (True at once without a disk)."""
-        self._hurry = True
-        self._wake.set()
-        try:
-            with trio.move_on_after(seconds):
-                while (self._pending or self._handling or self._writing is not None
-                       or self.inbox.statistics().current_buffer_used):  # fmt: skip
-                    await self._moved.wait()
-                return True
-            return False
-        finally:
-            self._hurry = False
+        hurried = self._writer.hurried() if self._writer else contextlib.nullcontext()
+        with hurried, trio.move_on_after(seconds):
+            while self._busy():
+                await self._moved.wait()
+            return True
+        return False
+
+    def _busy(self) -> bool:
+        """A message in hand or waiting, or a disk write queued or under way."""
+        writing = self._writer is not None and self._writer.busy
+        return writing or self._handling or bool(self.inbox.statistics().current_buffer_used)
 
 
 def _served(report: CacheReport | None, tokens: Sequence[int], usable: int,

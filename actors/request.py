@@ -1,4 +1,5 @@
-"""What a request asks (:class:`SamplingParams`) and what it yields (events, results).
+"""What a request is (:class:`Request`), what it asks (:class:`SamplingParams`) and
+what it yields (events, results).
 
 Every parameter a caller can set is checked here, once, by type and range; a
 bad one raises :class:`InvalidRequest` naming it. The HTTP front only maps names.
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -20,6 +22,61 @@ from .tools import ToolCall, check_tools
 DEFAULT_MAX_TOKENS = 512
 
 MAX_TOP_LOGPROBS = 20
+
+# What a request's prompt may be: text (special tokens added as mlx-lm's
+# ``stream_generate`` does), token ids, or chat messages (the chat template's).
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+
+def _label(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+@attrs.frozen
+class Request:
+    """One request as the engine takes it, the same from an API's parser through
+    ``Engine.submit_request`` to its row: the prompt, the :class:`SamplingParams`
+    fields the caller gave (the intake fills in the engine's request defaults and
+    checks them), and who sent it. ``session`` names the agent session it belongs
+    to (sessions share the batch's slots, see ``admission.py``), ``parent`` the
+    session that one runs under (kept only with a session), ``weight`` its
+    session's weight in sharing the slots, as given (the intake checks it: see
+    :func:`session_weight`); ``request_id`` is the caller's label."""
+
+    prompt: Prompt
+    params: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=lambda p: types.MappingProxyType(dict(p))
+    )
+    request_id: str | None = attrs.field(default=None, converter=_label)
+    session: str | None = attrs.field(default=None, converter=_label)
+    parent: str | None = attrs.field(default=None, converter=_label)
+    weight: Any = None  # None: the default share (1)
+
+    @classmethod
+    def of(cls, prompt: Prompt, **params: Any) -> Request:
+        """The keyword form: :class:`SamplingParams` fields, plus ``request_id``,
+        ``session``, ``parent`` and ``session_weight``."""
+        labels = {k: params.pop(k, None) for k in ("request_id", "session", "parent")}
+        weight = params.pop("session_weight", None)
+        return cls(prompt, params, weight=weight, **labels)
+
+
+MAX_WEIGHT = 1000.0
+
+
+def session_weight(value: Any) -> float:
+    """A session weight as given (a header's text, a number), checked."""
+    try:
+        weight = float(value)
+    except (TypeError, ValueError):
+        weight = math.nan
+    if isinstance(value, bool) or not 0 < weight <= MAX_WEIGHT:
+        raise InvalidRequest(
+            f"session_weight must be a number above 0 and at most {MAX_WEIGHT:g} (1 is "
+            f"the default share), got {value!r}",
+            param="session_weight",
+        )
+    return weight
 
 
 class Lane(enum.StrEnum):

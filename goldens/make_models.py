@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 MODELS = HERE / "models"
 # The engine package's embedded default model (`mlx-nursery serve` with no --model): the
 # llama toy, shipped inside the package so `make serve` works offline.
-DEFAULT_MODEL = HERE.parent / "actors" / "default_model"
+DEFAULT_MODEL = HERE.parent / "actors" / "models" / "default_model"
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS = "<|im_end|>"

@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -116,7 +115,7 @@ class Routes:
             body = {"max_tokens": 1, **body}
         parsed = api.parse(body, request.headers)
         try:
-            tokens = len(engine.encode(parsed.prompt, **parsed.prompt_params))
+            tokens = len(engine.encode(parsed.request.prompt, **parsed.prompt_params))
         except InvalidRequest as exc:
             raise bad(str(exc), parsed.field(exc.param)) from None
         return json_response(count_body(tokens))
@@ -124,24 +123,18 @@ class Routes:
     async def _start(self, engine: Engine, parsed: Parsed, api: Api) -> RequestStream:
         """Submit and queue the request: a bad one is a 400, a full queue a 429,
         both before any byte of a stream."""
-        request_id = request.headers.get("X-Request-Id") or f"req-{uuid.uuid4().hex[:16]}"
+        request_id = parsed.request.request_id
         if parsed.ignored_tools:
             log.info("%s: left out tools this server cannot run: %s", request_id,
                      ", ".join(parsed.ignored_tools))  # fmt: skip
         try:
-            parent = request.headers.get(PARENT_HEADER)
-            weight = request.headers.get(WEIGHT_HEADER)
-            stream = engine.submit(
-                parsed.prompt, request_id=request_id, session=parsed.session, parent=parent,
-                session_weight=weight, **parsed.params,
-            )  # fmt: skip
+            stream = engine.submit_request(parsed.request)
             stream.on_end = self._on_end(engine, parsed, request_id, api.name)
             await stream.start()
         except ContextOverflow as exc:
             raise api.context_error(exc, parsed.field(exc.param)) from None
         except InvalidRequest as exc:
-            param = WEIGHT_HEADER if exc.param == "session_weight" else parsed.field(exc.param)
-            raise bad(str(exc), param) from None
+            raise bad(str(exc), parsed.field(exc.param)) from None
         except Overloaded as exc:
             raise ApiError(
                 429, str(exc), type="rate_limit_error", code="queue_full",
@@ -161,14 +154,15 @@ class Routes:
 
         def on_end(event: Event) -> Event:
             cache = event.usage.cache if event.usage is not None else None
-            prompt = parsed.prompt
+            prompt = parsed.request.prompt
             chat = isinstance(prompt, list) and any(isinstance(m, dict) for m in prompt)
             if cache is not None and cache.diverged_at is not None and chat:
                 at = cache.diverged_at
                 message = engine.message_at(prompt, at, **parsed.prompt_params)
                 cache = attrs.evolve(cache, message=message)
                 event = attrs.evolve(event, usage=attrs.evolve(event.usage, cache=cache))
-            record = record_of(event, request_id=request_id, api=api, session=parsed.session)
+            session = parsed.request.session
+            record = record_of(event, request_id=request_id, api=api, session=session)
             self.state.requests.record(record)
             return event
 
@@ -258,13 +252,6 @@ class Routes:
         adjusted = dict(self.state.requests.adjusted)
         body, content_type = prometheus(engine.stats(), accept, engine.ranks(), refusals, adjusted)
         return Response(body, content_type=content_type)
-
-
-# A sub-agent's request names the session it runs under (Claude Code's sub-agents
-# share its session id; a harness that gives each its own can link them so).
-PARENT_HEADER = "X-Parent-Session-Id"
-# The session's weight in sharing the batch's slots (1 by default; see docs/sessions.md).
-WEIGHT_HEADER = "X-Session-Weight"
 
 
 def session_json(s: SessionView) -> dict:

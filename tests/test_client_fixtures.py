@@ -36,15 +36,16 @@ def test_claude_codes_request_is_read_with_its_shared_parts_first():
     body, headers = sent["body"], sent["headers"]
     assert {"context_management", "output_config", "thinking"} <= set(body)
     parsed = parse_messages(body, headers)
-    assert parsed.session == headers["x-claude-code-session-id"]
-    assert [m["role"] for m in parsed.prompt] == ["system", "user"]
-    system = parsed.prompt[0]["content"]
+    assert parsed.request.session == headers["x-claude-code-session-id"]
+    assert [m["role"] for m in parsed.request.prompt] == ["system", "user"]
+    system = parsed.request.prompt[0]["content"]
     assert system.startswith(body["system"][1]["text"]) and "x-anthropic-billing" not in system
     assert system.endswith(body["messages"][1]["content"])  # the agent types, after it
     assert parsed.adjusted == (DROPPED_ATTRIBUTION, SYSTEM_FIRST)
-    assert len(parsed.params["tools"]) == len(body["tools"]) and not parsed.ignored_tools
-    assert parsed.params["max_tokens"] == body["max_tokens"]
-    assert "chat_template_kwargs" not in parsed.params  # adaptive thinking: the model decides
+    assert len(parsed.request.params["tools"]) == len(body["tools"]) and not parsed.ignored_tools
+    assert parsed.request.params["max_tokens"] == body["max_tokens"]
+    # adaptive thinking: the model decides
+    assert "chat_template_kwargs" not in parsed.request.params
     assert parsed.model is None  # claude-* names are served by this server's model
 
 
@@ -52,10 +53,10 @@ def test_claude_codes_request_as_sent():
     sent = fixture("claude_code_messages")
     body = sent["body"]
     parsed = parse_messages(body, sent["headers"], as_sent=True)
-    roles = [m["role"] for m in parsed.prompt]
+    roles = [m["role"] for m in parsed.request.prompt]
     # the system blocks first, then the turns, the mid-conversation system turn in its place
     assert roles == ["system", "user", "system"] and not parsed.adjusted
-    assert parsed.prompt[0]["content"].startswith(body["system"][0]["text"])
+    assert parsed.request.prompt[0]["content"].startswith(body["system"][0]["text"])
 
 
 def _with(body: dict, system: list | str | None = None, prompt: str | None = None) -> dict:
@@ -81,7 +82,7 @@ def test_the_attribution_block_is_dropped_in_each_of_its_forms(line):
     body = fixture("claude_code_messages")["body"]
     parsed = parse_messages(_with(body, [{"type": "text", "text": line}, *body["system"][1:]]))
     assert DROPPED_ATTRIBUTION in parsed.adjusted
-    assert "x-anthropic-billing-header" not in parsed.prompt[0]["content"]
+    assert "x-anthropic-billing-header" not in parsed.request.prompt[0]["content"]
 
 
 def test_only_the_attribution_block_is_dropped():
@@ -99,7 +100,7 @@ def test_only_the_attribution_block_is_dropped():
     for system in kept:
         parsed = parse_messages(_with(body, system))
         assert DROPPED_ATTRIBUTION not in parsed.adjusted, system
-        assert "x-anthropic-billing-header: cc_version=" in parsed.prompt[0]["content"]
+        assert "x-anthropic-billing-header: cc_version=" in parsed.request.prompt[0]["content"]
 
 
 def test_two_conversations_differ_only_in_their_last_message():
@@ -109,7 +110,7 @@ def test_two_conversations_differ_only_in_their_last_message():
     body = fixture("claude_code_messages")["body"]
     other = _with(body, prompt="say bye")
     other["system"][0]["text"] = other["system"][0]["text"].replace(".123;", ".9fe;")
-    one, two = parse_messages(body), parse_messages(other)
+    one, two = parse_messages(body).request, parse_messages(other).request
     assert one.prompt[:-1] == two.prompt[:-1] and one.params == two.params
     assert one.prompt[-1] != two.prompt[-1] and one.prompt[-1]["role"] == "user"
     # a later turn of the conversation still extends its first request
@@ -117,7 +118,7 @@ def test_two_conversations_differ_only_in_their_last_message():
     later["messages"] += [{"role": "assistant", "content": "hi"},
                           {"role": "user", "content": "and again"},
                           {"role": "system", "content": "a reminder"}]  # fmt: skip
-    turns = parse_messages(later).prompt
+    turns = parse_messages(later).request.prompt
     assert turns[: len(one.prompt)] == one.prompt and turns[-1]["role"] == "system"
 
 
@@ -126,16 +127,16 @@ def test_codexs_request_is_read_as_sent():
     body, headers = sent["body"], sent["headers"]
     assert {"include", "prompt_cache_key", "client_metadata", "store"} <= set(body)
     parsed = parse_responses(body, headers)
-    assert parsed.session == body["prompt_cache_key"]
+    assert parsed.request.session == body["prompt_cache_key"]
     assert parsed.ignored_tools == ("web_search",)
     (group,) = [t for t in body["tools"] if t["type"] == "namespace"]
-    names = [t["function"]["name"] for t in parsed.params["tools"]]
+    names = [t["function"]["name"] for t in parsed.request.params["tools"]]
     for inner in group["tools"]:
         flat = f"{group['name']}.{inner['name']}"
         assert flat in names and parsed.tool_names[flat] == (group["name"], inner["name"])
     functions = [t for t in body["tools"] if t["type"] == "function"]
     assert len(names) == len(functions) + len(group["tools"])
-    assert [m["role"] for m in parsed.prompt][:2] == ["system", "system"]  # developer turns
+    assert [m["role"] for m in parsed.request.prompt][:2] == ["system", "system"]  # developer turns
 
 
 def test_every_field_the_sdks_document_is_accepted():

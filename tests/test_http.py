@@ -406,15 +406,14 @@ def test_a_plain_text_frame_is_the_chunk_it_stands_for(kind):
     """The pre-encoded fast path writes the same JSON the full chunk would."""
     from mlx_nursery.actors import Event, FinishReason
     from mlx_nursery.server.api.base import sse_frame
-    from mlx_nursery.server.api.chat import parse_chat
-    from mlx_nursery.server.api.completions import parse_completion
-    from mlx_nursery.server.api.openai import ChunkShaper
+    from mlx_nursery.server.api.chat import ChatShaper, parse_chat
+    from mlx_nursery.server.api.completions import CompletionShaper, parse_completion
 
     if kind == "chat":
-        parsed = parse_chat({"messages": [{"role": "user", "content": "hi"}]})
+        parsed, shaper = parse_chat({"messages": [{"role": "user", "content": "hi"}]}), ChatShaper
     else:
-        parsed = parse_completion({"prompt": "hi"})
-    fast, full = ChunkShaper(parsed, 'm"odel', None), ChunkShaper(parsed, 'm"odel', None)
+        parsed, shaper = parse_completion({"prompt": "hi"}), CompletionShaper
+    fast, full = shaper(parsed, 'm"odel', None), shaper(parsed, 'm"odel', None)
     full.id, full.created = fast.id, fast.created
     first = Event(1, "Hi")
     assert not fast.plain(first) or kind == "completion"

@@ -8,8 +8,7 @@ import mlx.core as mx
 from conftest import checked_engine, loaded
 from mlx_nursery.actors import Event
 from mlx_nursery.actors.request import FinishReason
-from mlx_nursery.server.api.chat import parse_chat
-from mlx_nursery.server.api.openai import ChunkShaper
+from mlx_nursery.server.api.chat import ChatShaper, parse_chat
 
 
 class ThinkingTokenizer:
@@ -66,7 +65,7 @@ async def test_a_prompt_that_opens_the_think_block_starts_inside_it():
 
 def test_reasoning_goes_out_as_reasoning_content():
     parsed = parse_chat({"messages": [{"role": "user", "content": "hi"}]})
-    shaper = ChunkShaper(parsed, "m", None)
+    shaper = ChatShaper(parsed, "m", None)
     chunk = shaper.chunk(Event(5, "", reasoning="thinking"))
     assert chunk["choices"][0]["delta"] == {"reasoning_content": "thinking", "role": "assistant"}
     chunk = shaper.chunk(Event(6, "Hi", reasoning=""))

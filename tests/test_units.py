@@ -10,11 +10,11 @@ import attrs
 import pytest
 import trio
 from mlx_nursery.actors import InvalidRequest
-from mlx_nursery.actors.admission import plan, session_weight, shares, to_pause
+from mlx_nursery.actors.admission import plan, shares, to_pause
 from mlx_nursery.actors.emitter import _split_stop
 from mlx_nursery.actors.gpu import Gpu
 from mlx_nursery.actors.prefill import MIN_SHARED, PRIMES_PER_TURN, plan_turn
-from mlx_nursery.actors.request import FinishReason, Lane, SamplingParams
+from mlx_nursery.actors.request import FinishReason, Lane, SamplingParams, session_weight
 from mlx_nursery.actors.row import Cancel, End, Finish, IllegalTransition, Phase, Row, RowTimes
 from mlx_nursery.actors.settings import EngineSettings
 from mlx_nursery.actors.stats import Histogram

@@ -11,7 +11,6 @@ nothing here does I/O.
 
 from __future__ import annotations
 
-import enum
 import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -19,7 +18,7 @@ from typing import Any
 
 import attrs
 import trio
-from mlx_nursery.actors import ContextOverflow, Event, RequestStream, Result
+from mlx_nursery.actors import ContextOverflow, Event, Request, RequestStream, Result
 
 
 @attrs.frozen
@@ -48,32 +47,22 @@ def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
 
 
-class Style(enum.Enum):
-    """Which OpenAI object family a request gets back (and its logprobs shape)."""
-
-    CHAT = "chat"
-    COMPLETION = "completion"
-
-
 @attrs.frozen
 class Parsed:
-    """A request as the engine takes it. ``params`` holds only what the client
-    gave: the engine fills in the server's request defaults (one place, every API)."""
+    """A request as an API parsed it: the engine's :class:`Request` (whose
+    ``params`` hold only what the client gave: the engine fills in the server's
+    request defaults, one place for every API) and what the response needs."""
 
-    prompt: Any  # token ids, text, or chat messages
-    params: dict[str, Any]  # SamplingParams fields, checked by the engine
+    request: Request
     stream: bool
     include_usage: bool
     model: str | None
-    style: Style = Style.CHAT
-    # Engine parameter -> the body field it came from, where the names differ, so
-    # an engine error names the field the client sent.
+    # Engine parameter -> the body field (or header) it came from, where the names
+    # differ, so an engine error names what the client sent.
     fields: dict[str, str] = attrs.field(factory=dict)
     # vLLM's extension: each choice (and each streamed chunk) carries the ids of
     # the tokens it holds, as ``token_ids``.
     token_ids: bool = False
-    # Who sent it, from the client's own hints (see ``session_of``); kept on the row.
-    session: str | None = None
     # Tools the request named that this server cannot run (hosted ones: web search,
     # MCP servers...): left out of the prompt, listed in the X-Ignored-Tools header.
     ignored_tools: tuple[str, ...] = ()
@@ -86,13 +75,15 @@ class Parsed:
     tool_names: Mapping[str, tuple[str, str]] = attrs.field(factory=dict)
 
     def field(self, param: str | None) -> str | None:
+        if param == "session_weight":
+            return WEIGHT_HEADER
         return self.fields.get(param, param) if param else param
 
     @property
     def prompt_params(self) -> dict[str, Any]:
         """The parameters that shape the prompt (tools, template arguments)."""
         keys = ("tools", "tool_choice", "chat_template_kwargs")
-        return {k: v for k, v in self.params.items() if k in keys}
+        return {k: v for k, v in self.request.params.items() if k in keys}
 
 
 @attrs.frozen
@@ -243,6 +234,29 @@ def refuse_unknown(body: Mapping[str, Any], known: frozenset[str], route: str) -
 
 # The headers clients name their session by, ours first (see docs/http.md).
 SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id")
+# A sub-agent's request names the session it runs under (Claude Code's sub-agents
+# share its session id; a harness that gives each its own can link them so).
+PARENT_HEADER = "X-Parent-Session-Id"
+# The session's weight in sharing the batch's slots (1 by default; see docs/sessions.md).
+WEIGHT_HEADER = "X-Session-Weight"
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def request_of(
+    prompt: Any, params: dict[str, Any], headers: Mapping[str, str] | None, *hints: Any
+) -> Request:
+    """The engine's request: the prompt, the client's fields, and who sent it,
+    all read here: the request id, the session (see :func:`session_of`; ``hints``
+    are the body's), the parent session and the session's weight."""
+    headers = headers if headers is not None else {}
+    return Request(
+        prompt,
+        params,
+        request_id=headers.get(REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex[:16]}",
+        session=session_of(headers, *hints),
+        parent=headers.get(PARENT_HEADER),
+        weight=headers.get(WEIGHT_HEADER),
+    )
 
 
 def session_of(headers: Mapping[str, str] | None, *hints: Any) -> str | None:

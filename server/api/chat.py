@@ -5,15 +5,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .base import Parsed, Style, bad, check_bool, model_of, session_of
+import attrs
+from mlx_nursery.actors import Event, FinishReason, Result
+from mlx_nursery.actors.tools import ToolCall
+
+from .base import Parsed, bad, check_bool, model_of, request_of
 from .openai import (
     TOOL_FIELDS,
+    ChunkShaper,
     OpenAIApi,
     check_fields,
     common,
     session_hints,
     stream_flags,
     thinking_of,
+    token_text,
 )
 
 
@@ -95,13 +101,99 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
         params["chat_template_kwargs"] = thinking
     stream, include_usage = stream_flags(body)
     ids = bool(check_bool(body, "return_token_ids"))
-    session = session_of(headers, *session_hints(body))
-    return Parsed(rendered, params, stream, include_usage, model_of(body), Style.CHAT, fields,
-                  ids, session, ignored)  # fmt: skip
+    request = request_of(rendered, params, headers, *session_hints(body))
+    return Parsed(request, stream, include_usage, model_of(body), fields, ids, ignored)
+
+
+def chat_logprobs(tokenizer, tokens, logprobs, tops) -> dict:
+    content = []
+    for token, lp, top in zip(tokens, logprobs, tops or [None] * len(tokens), strict=True):
+        text = token_text(tokenizer, token)
+        content.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {
+                        "token": (t := token_text(tokenizer, alt.token)),
+                        "logprob": alt.logprob,
+                        "bytes": list(t.encode()),
+                    }
+                    for alt in (top or ())
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def tool_call_body(call: ToolCall) -> dict:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+@attrs.define
+class ChatShaper(ChunkShaper):
+    """Chat's chunks: deltas (the role once, content, reasoning, tool calls)."""
+
+    id_prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
+
+    def text_choice(self, text: str) -> dict:
+        return {"index": 0, "delta": {"content": text}}
+
+    def choice(self, event: Event, finish: FinishReason | None, logprobs: dict | None) -> dict:
+        delta: dict[str, Any] = {"content": event.text} if event.text or not finish else {}
+        if event.reasoning:
+            delta["reasoning_content"] = event.reasoning
+            if not event.text:
+                delta.pop("content", None)
+        if not self.sent_role:
+            delta["role"], self.sent_role = "assistant", True
+        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+
+    def logprobs(self, tokens: list[int], logprobs: list[float], tops: list) -> dict:
+        return chat_logprobs(self.tokenizer, tokens, logprobs, tops)
+
+    def tool_chunks(self, event: Event) -> list[dict]:
+        """OpenAI's streamed tool calls: for each call, its index, id and name first
+        (arguments empty), then its arguments."""
+        out = []
+        for call in event.tool_calls:
+            head = {"index": self.calls, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+            first: dict[str, Any] = {"tool_calls": [head]}
+            if not self.sent_role:
+                first["role"], self.sent_role = "assistant", True
+            args = {
+                "tool_calls": [{"index": self.calls, "function": {"arguments": call.arguments}}]
+            }
+            for delta in (first, args):
+                out.append(self._wrap([{"index": 0, "delta": delta, "finish_reason": None,
+                                        "logprobs": None}]))  # fmt: skip
+            self.calls += 1
+        return out
 
 
 class Chat(OpenAIApi):
     name = "chat.completions"
+    id_prefix, response_object, shaper_class = "chatcmpl", "chat.completion", ChatShaper
 
     def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
         return parse_chat(body, headers)
+
+    def choice(self, result: Result, tokenizer: Any) -> dict:
+        lp = None
+        if result.logprobs is not None:
+            lp = chat_logprobs(tokenizer, result.tokens, result.logprobs, result.top_logprobs)
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if result.reasoning:
+            message["reasoning_content"] = result.reasoning
+        if result.tool_calls:
+            message["content"] = result.text or None
+            message["tool_calls"] = [tool_call_body(c) for c in result.tool_calls]
+        return {"index": 0, "message": message, "finish_reason": result.finish_reason,
+                "logprobs": lp}  # fmt: skip

@@ -5,19 +5,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mlx_nursery.actors import ContextOverflow
+import attrs
+from mlx_nursery.actors import ContextOverflow, Event, FinishReason, Result
 
-from .base import (
-    ApiError,
-    Parsed,
-    Style,
-    bad,
-    check_bool,
-    model_of,
-    openai_context_error,
-    session_of,
+from .base import ApiError, Parsed, bad, check_bool, model_of, openai_context_error, request_of
+from .openai import (
+    ChunkShaper,
+    OpenAIApi,
+    check_fields,
+    common,
+    session_hints,
+    stream_flags,
+    token_text,
 )
-from .openai import OpenAIApi, check_fields, common, session_hints, stream_flags
 
 
 def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
@@ -37,16 +37,57 @@ def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> Par
         fields["top_logprobs"] = "logprobs"
     stream, include_usage = stream_flags(body)
     ids = bool(check_bool(body, "return_token_ids"))
-    style, session = Style.COMPLETION, session_of(headers, *session_hints(body))
-    return Parsed(prompt, params, stream, include_usage, model_of(body), style, fields, ids,
-                  session)  # fmt: skip
+    request = request_of(prompt, params, headers, *session_hints(body))
+    return Parsed(request, stream, include_usage, model_of(body), fields, ids)
+
+
+def completion_logprobs(tokenizer, tokens, logprobs, tops, offset: int = 0) -> dict:
+    texts = [token_text(tokenizer, t) for t in tokens]
+    offsets, pos = [], offset
+    for t in texts:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": texts,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": [
+            {token_text(tokenizer, alt.token): alt.logprob for alt in (top or ())}
+            for top in (tops or [None] * len(tokens))
+        ],
+        "text_offset": offsets,
+    }
+
+
+@attrs.define
+class CompletionShaper(ChunkShaper):
+    """Text completions' chunks: text and its offsets, no roles or tools."""
+
+    id_prefix = "cmpl"
+    chunk_object = "text_completion"
+
+    def text_choice(self, text: str) -> dict:
+        return {"index": 0, "text": text}
+
+    def choice(self, event: Event, finish: FinishReason | None, logprobs: dict | None) -> dict:
+        return {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": logprobs}
+
+    def logprobs(self, tokens: list[int], logprobs: list[float], tops: list) -> dict:
+        return completion_logprobs(self.tokenizer, tokens, logprobs, tops, self.offset)
 
 
 class Completions(OpenAIApi):
     name = "completions"
+    id_prefix, response_object, shaper_class = "cmpl", "text_completion", CompletionShaper
 
     def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
         return parse_completion(body, headers)
+
+    def choice(self, result: Result, tokenizer: Any) -> dict:
+        lp = None
+        if result.logprobs is not None:
+            lp = completion_logprobs(tokenizer, result.tokens, result.logprobs, result.top_logprobs)
+        return {"index": 0, "text": result.text, "finish_reason": result.finish_reason,
+                "logprobs": lp}  # fmt: skip
 
     def context_error(self, exc: ContextOverflow, param: str | None) -> ApiError:
         return openai_context_error(exc, "prompt", param)

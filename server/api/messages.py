@@ -43,7 +43,6 @@ from .base import (
     RawJson,
     Served,
     Shaper,
-    Style,
     bad,
     check_bool,
     json_schema_format,
@@ -51,7 +50,7 @@ from .base import (
     new_id,
     object_body,
     refuse_unknown,
-    session_of,
+    request_of,
     sse_event,
 )
 
@@ -291,9 +290,8 @@ def parse_messages(
     fields = {"stop": "stop_sequences", "response_format": "output_config"}
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, Mapping) else None
-    return Parsed(chat, params, stream, False, model, Style.CHAT, fields,
-                  session=session_of(headers, user), ignored_tools=ignored,
-                  adjusted=adjusted)  # fmt: skip
+    request = request_of(chat, params, headers, user)
+    return Parsed(request, stream, False, model, fields, ignored_tools=ignored, adjusted=adjusted)
 
 
 def _message_id() -> str:

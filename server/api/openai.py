@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 from mlx_nursery.actors import Event, FinishReason, Result, Usage
-from mlx_nursery.actors.tools import ToolCall
 
 from ..request_log import cache_body
 from .base import (
@@ -19,7 +18,6 @@ from .base import (
     Parsed,
     Served,
     Shaper,
-    Style,
     bad,
     check_bool,
     new_id,
@@ -150,102 +148,18 @@ def drafts_body(drafts) -> dict:
     }
 
 
-def _token_text(tokenizer, token: int) -> str:
+def token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token])
-
-
-def chat_logprobs(tokenizer, tokens, logprobs, tops) -> dict:
-    content = []
-    for token, lp, top in zip(tokens, logprobs, tops or [None] * len(tokens), strict=True):
-        text = _token_text(tokenizer, token)
-        content.append(
-            {
-                "token": text,
-                "logprob": lp,
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {
-                        "token": (t := _token_text(tokenizer, alt.token)),
-                        "logprob": alt.logprob,
-                        "bytes": list(t.encode()),
-                    }
-                    for alt in (top or ())
-                ],
-            }
-        )
-    return {"content": content}
-
-
-def completion_logprobs(tokenizer, tokens, logprobs, tops, offset: int = 0) -> dict:
-    texts = [_token_text(tokenizer, t) for t in tokens]
-    offsets, pos = [], offset
-    for t in texts:
-        offsets.append(pos)
-        pos += len(t)
-    return {
-        "tokens": texts,
-        "token_logprobs": list(logprobs),
-        "top_logprobs": [
-            {_token_text(tokenizer, alt.token): alt.logprob for alt in (top or ())}
-            for top in (tops or [None] * len(tokens))
-        ],
-        "text_offset": offsets,
-    }
-
-
-def tool_call_body(call: ToolCall) -> dict:
-    return {
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments},
-    }
-
-
-def full_response(parsed: Parsed, model: str, result: Result, tokenizer: Any) -> dict:
-    created = int(time.time())
-    if parsed.style is Style.CHAT:
-        lp = None
-        if result.logprobs is not None:
-            lp = chat_logprobs(tokenizer, result.tokens, result.logprobs, result.top_logprobs)
-        message: dict[str, Any] = {"role": "assistant", "content": result.text}
-        if result.reasoning:
-            message["reasoning_content"] = result.reasoning
-        if result.tool_calls:
-            message["content"] = result.text or None
-            message["tool_calls"] = [tool_call_body(c) for c in result.tool_calls]
-        choice = {
-            "index": 0,
-            "message": message,
-            "finish_reason": result.finish_reason,
-            "logprobs": lp,
-        }
-        kind, obj = "chatcmpl", "chat.completion"
-    else:
-        lp = None
-        if result.logprobs is not None:
-            lp = completion_logprobs(tokenizer, result.tokens, result.logprobs, result.top_logprobs)
-        choice = {
-            "index": 0,
-            "text": result.text,
-            "finish_reason": result.finish_reason,
-            "logprobs": lp,
-        }
-        kind, obj = "cmpl", "text_completion"
-    if parsed.token_ids:
-        choice["token_ids"] = list(result.tokens)
-    return {
-        "id": new_id(kind),
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage_body(result.usage),
-    }
 
 
 @attrs.define
 class ChunkShaper(Shaper):
-    """Shapes one stream's events into OpenAI chunks (keeps the id and text offset)."""
+    """Shapes one stream's events into OpenAI chunks (keeps the id and text
+    offset). Chat and text completions say how a choice reads (``choice``,
+    ``text_choice``) and what the chunks are called (``id_prefix``, ``chunk_object``)."""
+
+    id_prefix: ClassVar[str]
+    chunk_object: ClassVar[str]
 
     parsed: Parsed
     model: str
@@ -261,15 +175,19 @@ class ChunkShaper(Shaper):
     _tail: bytes = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        self.id = new_id("chatcmpl" if self.parsed.style is Style.CHAT else "cmpl")
+        self.id = new_id(self.id_prefix)
         marker = "\x00"
-        if self.parsed.style is Style.CHAT:
-            choice = {"index": 0, "delta": {"content": marker}, "finish_reason": None,
-                      "logprobs": None}  # fmt: skip
-        else:
-            choice = {"index": 0, "text": marker, "finish_reason": None, "logprobs": None}
+        choice = {**self.text_choice(marker), "finish_reason": None, "logprobs": None}
         head, tail = sse_frame(self._wrap([choice])).split(json.dumps(marker).encode())
         self._head, self._tail = head, tail
+
+    def text_choice(self, text: str) -> dict:
+        """A choice carrying only ``text`` (index first; finish and logprobs follow)."""
+        raise NotImplementedError
+
+    def choice(self, event: Event, finish: FinishReason | None, logprobs: dict | None) -> dict:
+        """The choice for one event that carries something."""
+        raise NotImplementedError
 
     def event(self, event: Event) -> bytes:
         """The frames for one event: its text, then the calls it ends on (or
@@ -316,10 +234,9 @@ class ChunkShaper(Shaper):
         return self._head + json.dumps(text).encode() + self._tail
 
     def _wrap(self, choices: list[dict]) -> dict:
-        chat = self.parsed.style is Style.CHAT
         return {
             "id": self.id,
-            "object": "chat.completion.chunk" if chat else "text_completion",
+            "object": self.chunk_object,
             "created": self.created,
             "model": self.model,
             "choices": choices,
@@ -327,66 +244,57 @@ class ChunkShaper(Shaper):
 
     def chunk(self, event: Event) -> dict | None:
         """The chunk for one event, or None when it carries nothing to send."""
-        chat = self.parsed.style is Style.CHAT
         finish = event.finish_reason if event.terminal and event.finish_reason.finished else None
         carries_id = self.parsed.token_ids and event.token is not None
         if not (event.text or event.reasoning or finish or event.logprob is not None or carries_id):
             return None
         lp = None
         if event.token is not None and event.logprob is not None:
-            tops = [event.top_logprobs]
-            if chat:
-                lp = chat_logprobs(self.tokenizer, [event.token], [event.logprob], tops)
-            else:
-                lp = completion_logprobs(
-                    self.tokenizer, [event.token], [event.logprob], tops, self.offset
-                )
-        if chat:
-            delta: dict[str, Any] = {"content": event.text} if event.text or not finish else {}
-            if event.reasoning:
-                delta["reasoning_content"] = event.reasoning
-                if not event.text:
-                    delta.pop("content", None)
-            if not self.sent_role:
-                delta["role"], self.sent_role = "assistant", True
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
-        else:
-            choice = {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": lp}
+            lp = self.logprobs([event.token], [event.logprob], [event.top_logprobs])
+        choice = self.choice(event, finish, lp)
         if self.parsed.token_ids:
             choice["token_ids"] = [] if event.token is None else [event.token]
         self.offset += len(event.text)
         return self._wrap([choice])
-
-    def tool_chunks(self, event: Event) -> list[dict]:
-        """OpenAI's streamed tool calls: for each call, its index, id and name first
-        (arguments empty), then its arguments."""
-        out = []
-        for call in event.tool_calls:
-            head = {"index": self.calls, "id": call.id, "type": "function",
-                    "function": {"name": call.name, "arguments": ""}}  # fmt: skip
-            first: dict[str, Any] = {"tool_calls": [head]}
-            if not self.sent_role:
-                first["role"], self.sent_role = "assistant", True
-            args = {
-                "tool_calls": [{"index": self.calls, "function": {"arguments": call.arguments}}]
-            }
-            for delta in (first, args):
-                out.append(self._wrap([{"index": 0, "delta": delta, "finish_reason": None,
-                                        "logprobs": None}]))  # fmt: skip
-            self.calls += 1
-        return out
 
     def usage_chunk(self, usage: Usage) -> dict:
         """The final chunk of a stream with ``include_usage``: no choices, the usage."""
         return {**self._wrap([]), "usage": usage_body(usage)}
 
 
+    def logprobs(self, tokens: list[int], logprobs: list[float], tops: list) -> dict:
+        """One event's logprobs, as this API writes them."""
+        raise NotImplementedError
+
+    def tool_chunks(self, event: Event) -> list[dict]:
+        """The chunks of the tool calls an event ends on (chat's; none elsewhere)."""
+        return []
+
+
 class OpenAIApi(Api):
     """Chat and text completions: one response object family, one chunk stream;
-    each says only how it parses (and, for text, its context wording)."""
+    each says how it parses, how its choice reads, and its shaper."""
+
+    id_prefix: ClassVar[str]
+    response_object: ClassVar[str]
+    shaper_class: ClassVar[type[ChunkShaper]]
+
+    def choice(self, result: Result, tokenizer: Any) -> dict:
+        """The response's one choice (index, its content, finish reason, logprobs)."""
+        raise NotImplementedError
 
     def body(self, parsed: Parsed, result: Result, served: Served) -> dict:
-        return full_response(parsed, served.model, result, served.tokenizer)
+        choice = self.choice(result, served.tokenizer)
+        if parsed.token_ids:
+            choice["token_ids"] = list(result.tokens)
+        return {
+            "id": new_id(self.id_prefix),
+            "object": self.response_object,
+            "created": int(time.time()),
+            "model": served.model,
+            "choices": [choice],
+            "usage": usage_body(result.usage),
+        }
 
     def shaper(self, parsed: Parsed, served: Served) -> ChunkShaper:
-        return ChunkShaper(parsed, served.model, served.tokenizer)
+        return self.shaper_class(parsed, served.model, served.tokenizer)

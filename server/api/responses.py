@@ -28,7 +28,6 @@ from .base import (
     Parsed,
     Served,
     Shaper,
-    Style,
     bad,
     check_bool,
     json_schema_format,
@@ -36,7 +35,7 @@ from .base import (
     new_id,
     object_body,
     refuse_unknown,
-    session_of,
+    request_of,
     sse_event,
 )
 from .openai import session_hints, thinking_of
@@ -210,9 +209,8 @@ def parse_responses(body: Any, headers: Mapping[str, str] | None = None) -> Pars
     stream, model = bool(check_bool(body, "stream")), model_of(body)
     fields = {"max_tokens": "max_output_tokens", "response_format": "text"}
     names = {flat: key for key, flat in aliases.items()}
-    return Parsed(chat, params, stream, False, model, Style.CHAT, fields,
-                  session=session_of(headers, *session_hints(body)), ignored_tools=ignored,
-                  tool_names=names)  # fmt: skip
+    request = request_of(chat, params, headers, *session_hints(body))
+    return Parsed(request, stream, False, model, fields, ignored_tools=ignored, tool_names=names)
 
 
 def usage_body(usage: Usage | None) -> dict | None:
@@ -253,7 +251,7 @@ def response_body(
     status = "in_progress" if end is None else "completed"
     if reason is FinishReason.LENGTH:
         status = "incomplete"
-    p = parsed.params
+    p = parsed.request.params
     return {
         "id": rid, "object": "response", "created_at": time.time(), "model": model,
         "status": status, "output": output, "error": None,
