@@ -309,59 +309,12 @@ async def open_engine(
         settings = attrs.evolve(settings, **options)
     gpu = Gpu()
     gpu.start()
-    sharded = group is not None and group.size() > 1
     try:
-        loaded, tokenizer, info = await gpu.call_here(
-            load_model, model, settings.dtype, group, settings.ragged_attention,
-            settings.cpu_softmax, settings.trust_remote_code,
-        )  # fmt: skip
-        if sharded and group.rank() != 0:
-            await gpu.call_here(follow, loaded, group)
+        loaded = await _load(gpu, model, settings, group)
+        if loaded is None:  # a follower rank: it followed rank 0 until that one closed
             yield None
             return
-        if sharded:
-            gpu.replica = await gpu.call_here(lead, loaded, group)
-            # Followers do not mirror a paused row's one-row batch (yet): never pause.
-            # Nor a verify step (drafts and what was kept are rank 0's): never draft.
-            settings = attrs.evolve(settings, pause_after=None, speculative=False)
-        if settings.context_length is not None:
-            info = attrs.evolve(info, context_length=settings.context_length)
-        draft = None
-        if settings.draft_model is not None and settings.speculative:
-            draft, drafts = await gpu.call_here(
-                load_draft, settings.draft_model, settings.dtype, tokenizer, info,
-                settings.ragged_attention, settings.cpu_softmax,
-            )  # fmt: skip
-            # a row's budget holds its draft KV too (whether or not it drafts)
-            info = attrs.evolve(
-                info, kv_costs=info.kv_costs + drafts.kv_costs,
-                weights_bytes=info.weights_bytes + drafts.weights_bytes,
-            )  # fmt: skip
-        budget = settings.kv_budget
-        if budget == "auto":
-            budget = auto_budget(info.weights_bytes)
-        stats = Stats(
-            configured=settings.batch,
-            mode=_mode(settings.batch, info.batchable),
-            kv_budget_bytes=budget,
-        )
-        disk = None
-        if settings.prompt_cache_size and settings.prompt_cache_disk != 0 and not sharded:
-            disk = await disk_cache.open_tier(
-                gpu, loaded, info.id, settings.prompt_cache_dir, settings.prompt_cache_disk
-            )
-        actors, to_admission, admitter = _wire(
-            loaded, tokenizer, info, settings, budget, gpu, stats, disk, draft
-        )
-        if sharded:
-            actors.append(RankWatch(gpu.replica, gpu))
-        ll_tok = await gpu.call_here(ll_tokenizer, tokenizer, info.vocab_size)
-        intake = Intake(tokenizer, info, settings, budget, ll_tok)
-        cache_actor = next((a for a in actors if isinstance(a, PromptCacheActor)), None)
-        engine = Engine(
-            loaded, tokenizer, info, settings, intake, stats, to_admission, admitter, gpu,
-            cache_actor,
-        )  # fmt: skip
+        engine, actors = await _build(gpu, loaded)
         async with _running(actors) as actors_scope:
             try:
                 yield engine
@@ -369,6 +322,7 @@ async def open_engine(
                 with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_GRACE_SECONDS):
                     await engine.close()
                 with trio.CancelScope(shield=True):
+                    cache_actor = engine._cache_actor
                     if cache_actor and not await cache_actor.flush(DISK_FLUSH_SECONDS):
                         log.warning("prompt cache: shut down with disk writes still queued")
                 actors_scope.cancel()
@@ -376,85 +330,200 @@ async def open_engine(
         await gpu.stop()
 
 
+@attrs.frozen
+class _Loaded:
+    """A loaded model and what the engine is built from: the settings as this
+    rank runs them, the draft model (or None), whether it leads other ranks."""
+
+    model: Any
+    tokenizer: Any
+    info: ModelInfo
+    settings: EngineSettings
+    draft: DraftModel | None
+    sharded: bool
+
+
+async def _load(
+    gpu: Gpu, model: str | Path | tuple[Any, Any], settings: EngineSettings, group: Any
+) -> _Loaded | None:
+    """Load the model (its shard, under ``group``) and the draft model. A rank
+    other than 0 follows rank 0's GPU calls here until rank 0 closes: None."""
+    sharded = group is not None and group.size() > 1
+    loaded, tokenizer, info = await gpu.call_here(
+        load_model, model, settings.dtype, group, settings.ragged_attention,
+        settings.cpu_softmax, settings.trust_remote_code,
+    )  # fmt: skip
+    if sharded and group.rank() != 0:
+        await gpu.call_here(follow, loaded, group)
+        return None
+    if sharded:
+        gpu.replica = await gpu.call_here(lead, loaded, group)
+        # Followers do not mirror a paused row's one-row batch (yet): never pause.
+        # Nor a verify step (drafts and what was kept are rank 0's): never draft.
+        settings = attrs.evolve(settings, pause_after=None, speculative=False)
+    if settings.context_length is not None:
+        info = attrs.evolve(info, context_length=settings.context_length)
+    draft = None
+    if settings.draft_model is not None and settings.speculative:
+        draft, drafts = await gpu.call_here(
+            load_draft, settings.draft_model, settings.dtype, tokenizer, info,
+            settings.ragged_attention, settings.cpu_softmax,
+        )  # fmt: skip
+        # a row's budget holds its draft KV too (whether or not it drafts)
+        info = attrs.evolve(
+            info, kv_costs=info.kv_costs + drafts.kv_costs,
+            weights_bytes=info.weights_bytes + drafts.weights_bytes,
+        )  # fmt: skip
+    return _Loaded(loaded, tokenizer, info, settings, draft, sharded)
+
+
+async def _build(gpu: Gpu, loaded: _Loaded) -> tuple[Engine, list[Any]]:
+    """The engine and its actors (not yet running), around a loaded model: the KV
+    budget, the stats, the disk tier, every mailbox and actor, the intake."""
+    settings, info = loaded.settings, loaded.info
+    budget = settings.kv_budget
+    if budget == "auto":
+        budget = auto_budget(info.weights_bytes)
+    stats = Stats(
+        configured=settings.batch, mode=_mode(settings.batch, info.batchable),
+        kv_budget_bytes=budget,
+    )  # fmt: skip
+    disk = None
+    if settings.prompt_cache_size and settings.prompt_cache_disk != 0 and not loaded.sharded:
+        disk = await disk_cache.open_tier(
+            gpu, loaded.model, info.id, settings.prompt_cache_dir, settings.prompt_cache_disk
+        )
+    actors, to_admission, admitter = _wire(loaded, budget, gpu, stats, disk)
+    if loaded.sharded:
+        actors.append(RankWatch(gpu.replica, gpu))
+    ll_tok = await gpu.call_here(ll_tokenizer, loaded.tokenizer, info.vocab_size)
+    intake = Intake(loaded.tokenizer, info, settings, budget, ll_tok)
+    cache_actor = next((a for a in actors if isinstance(a, PromptCacheActor)), None)
+    engine = Engine(
+        loaded.model, loaded.tokenizer, info, settings, intake, stats, to_admission, admitter,
+        gpu, cache_actor,
+    )  # fmt: skip
+    return engine, actors
+
+
+@attrs.frozen
+class _Boxes:
+    """Every actor's mailbox, opened before any actor is built (the prompt
+    cache's only where there is one)."""
+
+    adm: Mailbox
+    pre: Mailbox
+    dec: Mailbox
+    ser: Mailbox
+    emit: Mailbox
+    cache: Mailbox | None
+
+    @classmethod
+    def open(cls, settings: EngineSettings) -> _Boxes:
+        cache = Mailbox.open(prompt_cache.MAILBOX_SIZE) if settings.prompt_cache_size else None
+        return cls(
+            Mailbox.open(admission.MAILBOX_SIZE),
+            Mailbox.open(prefill.MAILBOX_SIZE),
+            Mailbox.open(decode.MAILBOX_SIZE),
+            Mailbox.open(serial.MAILBOX_SIZE),
+            Mailbox.open(emitter.MAILBOX_SIZE),
+            cache,
+        )
+
+    def to_cache(self) -> trio.MemorySendChannel | None:
+        return self.cache.clone() if self.cache is not None else None
+
+    def ends(self) -> dict[str, Any]:
+        """What every row owner sends to, each end its own clone."""
+        return {
+            "to_emitter": self.emit.clone(),
+            "to_admission": self.adm.clone(),
+            "to_prompt_cache": self.to_cache(),
+        }
+
+    def close_originals(self) -> None:
+        """Every original send end but admission's (the engine keeps that one)."""
+        for box in (self.pre, self.dec, self.ser, self.emit, self.cache):
+            if box is not None:
+                box.send.close()
+
+
+def _admission(
+    settings: EngineSettings, budget: int | None, gpu: Gpu, stats: Stats, boxes: _Boxes
+) -> Admission:
+    """The admission actor, on its ends: it sends rows to prefill and serial, ends
+    queued ones itself, and trims the prompt cache's share."""
+    return Admission(
+        settings.batch,
+        budget,
+        gpu,
+        stats,
+        inbox=boxes.adm.inbox,
+        to_prefill=boxes.pre.clone(),
+        to_serial=boxes.ser.clone(),
+        to_emitter=boxes.emit.clone(),
+        to_prompt_cache=boxes.to_cache(),
+        max_queued=settings.queue_limit,
+        queue_timeout=settings.queue_timeout,
+        pause_after=settings.pause_after,
+    )
+
+
 def _wire(
-    model: Any,
-    tokenizer: Any,
-    info: ModelInfo,
-    settings: EngineSettings,
+    loaded: _Loaded,
     budget: int | None,
     gpu: Gpu,
     stats: Stats,
     disk: disk_cache.DiskTier | None = None,
-    draft: DraftModel | None = None,
 ) -> tuple[list[Any], trio.MemorySendChannel, Admission]:
     """Open every mailbox, then build each actor with its ends, in one pass. Each
     producer gets its own clone of a send end and closes it when it stops; the
     originals are closed here, but admission's, which the engine keeps (with
     the admission actor, whose refusal it reads)."""
-    adm = Mailbox.open(admission.MAILBOX_SIZE)
-    pre = Mailbox.open(prefill.MAILBOX_SIZE)
-    dec = Mailbox.open(decode.MAILBOX_SIZE)
-    ser = Mailbox.open(serial.MAILBOX_SIZE)
-    emit = Mailbox.open(emitter.MAILBOX_SIZE)
-    cache = Mailbox.open(prompt_cache.MAILBOX_SIZE) if settings.prompt_cache_size else None
-
-    def to_cache() -> trio.MemorySendChannel | None:
-        return cache.clone() if cache is not None else None
-
-    def ends() -> dict[str, Any]:  # what every row owner sends to
-        return {
-            "to_emitter": emit.clone(),
-            "to_admission": adm.clone(),
-            "to_prompt_cache": to_cache(),
-        }
-
-    steps, think = settings.prefill_step_size, info.think
+    model, info, settings = loaded.model, loaded.info, loaded.settings
+    boxes = _Boxes.open(settings)
+    steps = settings.prefill_step_size
     speculation = None
     if settings.speculative:
-        speculation = Speculation(settings.draft_tokens, draft=draft, library=settings.cpu_softmax)
-    admitter = Admission(
-        settings.batch,
-        budget,
-        gpu,
+        speculation = Speculation(
+            settings.draft_tokens, draft=loaded.draft, library=settings.cpu_softmax
+        )
+    admitter = _admission(settings, budget, gpu, stats, boxes)
+    emitter_actor = Emitter(
+        loaded.tokenizer,
         stats,
-        inbox=adm.inbox,
-        to_prefill=pre.clone(),
-        to_serial=ser.clone(),
-        to_emitter=emit.clone(),
-        to_prompt_cache=to_cache(),
-        max_queued=settings.queue_limit,
-        queue_timeout=settings.queue_timeout,
-        pause_after=settings.pause_after,
+        inbox=boxes.emit.inbox,
+        to_admission=boxes.adm.clone(),
+        think=info.think,
     )
     actors: list[Any] = [
         stats,
-        Emitter(tokenizer, stats, inbox=emit.inbox, to_admission=adm.clone(), think=think),
-        Decode(model, gpu, stats, inbox=dec.inbox, speculation=speculation, **ends()),
-        Serial(model, gpu, stats, steps, inbox=ser.inbox, **ends()),
+        emitter_actor,
+        Decode(model, gpu, stats, inbox=boxes.dec.inbox, speculation=speculation, **boxes.ends()),
+        Serial(model, gpu, stats, steps, inbox=boxes.ser.inbox, **boxes.ends()),
         PrefillActor(
             model,
             gpu,
             stats,
             steps,
-            inbox=pre.inbox,
-            to_decode=dec.clone(),
+            inbox=boxes.pre.inbox,
+            to_decode=boxes.dec.clone(),
             together=info.padded_prefill,
-            **ends(),
+            **boxes.ends(),
         ),
         admitter,
+        Watchdog(gpu, stats, settings.step_timeout),
     ]
-    actors.append(Watchdog(gpu, stats, settings.step_timeout))
-    if cache is not None:
+    if boxes.cache is not None:
         # The cache lives inside the budget: it starts with all of it, and admission
         # lowers its share as live rows take some (Trim).
         cap = min(settings.prompt_cache_bytes or 1 << 62, 1 << 62 if budget is None else budget)
         actors.insert(
-            1, PromptCacheActor(gpu, stats, cache.inbox, settings.prompt_cache_size, cap, disk)
+            1,
+            PromptCacheActor(gpu, stats, boxes.cache.inbox, settings.prompt_cache_size, cap, disk),
         )
-    for box in (pre, dec, ser, emit, cache):
-        if box is not None:
-            box.send.close()
-    return actors, adm.send, admitter
+    boxes.close_originals()
+    return actors, boxes.adm.send, admitter
 
 
 @asynccontextmanager

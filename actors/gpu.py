@@ -39,7 +39,7 @@ log = logging.getLogger("mlx_nursery.engine")
 
 # GPU calls begun in this process, by every engine's thread: a decode step that
 # sees the count one past its last step's knows nothing else ran in between (its
-# period is its own: rows.Batch times plain steps so).
+# period is its own: step.verify.Verifier times plain steps so).
 _begun = itertools.count(1)
 begun = 0
 

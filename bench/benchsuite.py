@@ -1003,11 +1003,11 @@ def _beside(reports: list, phase: str) -> str:
 
 
 def flood(model: str, label: str, repeats: int) -> None:
-    """Issue #25's flood (``server/flood.py``): B's turns alone, A's sub-agents
+    """Issue #25's flood (``bench/flood.py``): B's turns alone, A's sub-agents
     alone, then both, with sessions (pausing on, and off) and without (every
     request alone: one FIFO); each run on a fresh server (batch 4, a 96 MB
     prompt-cache cap, no disk tier carried over)."""
-    from mlx_nursery.server.flood import FloodSpec, run_flood
+    from flood import FloodSpec, run_flood
 
     cases = {
         "B alone": ((), {"agents": False}),

@@ -110,7 +110,7 @@ def main() -> int:
 
     import httpx
     import trio
-    from mlx_nursery.server.flood import FloodSpec, run_flood
+    from flood import FloodSpec, run_flood
 
     sys.path.insert(0, os.path.dirname(__file__))
     from benchsuite import FLOOD_FLAGS

@@ -1,6 +1,6 @@
 """Where the flood's decode time goes: one decode step of a batch under
 mlx-lm's ``BatchKVCache`` as the rows' lengths vary, with mlx-lm's padded
-attention, with ``actors/ragged.py``'s row by row (as served), and with the
+attention, with ``actors/step/ragged.py``'s row by row (as served), and with the
 attention left out (what the weights cost), plus the attention alone.
 
 The flood (issue #25) puts B's ~2,400-token row beside A's ~600-token rows, and

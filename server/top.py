@@ -74,10 +74,15 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None) -> Group:
         f"KV live {_bytes(s['kv_bytes'])}  prompt cache {_bytes(s['prompt_cache_bytes'])}  "
         f"budget {_bytes(budget) if budget else 'none'}"
     )
+    return Group(head, summary, kv, _cache_line(s), _live_rows(snap), _recent(snap))
+
+
+def _cache_line(s: dict[str, Any]) -> Text:
+    """The prompt cache's line: memory's entries and hit rate, then the disk tier's."""
     hits, misses = s["prompt_cache_hits"], s["prompt_cache_misses"]
     rate = f"{100 * hits / (hits + misses):.0f}%" if hits + misses else "-"
     disk = s.get("prompt_cache_disk_cap") or 0
-    cache = Text(
+    return Text(
         f"prompt cache: {s['prompt_cache_entries']} entries, hit rate {rate}, "
         f"{s['prompt_cache_hit_tokens']} prompt tokens saved, "
         f"{s['prompt_cache_evictions']} evicted; disk "
@@ -89,6 +94,10 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None) -> Group:
             else "off"
         )
     )
+
+
+def _live_rows(snap: dict[str, Any]) -> Table:
+    """Every live row: its lane, phase (a prefill's progress), tokens and speed."""
     rows = Table(title="live rows", expand=True)
     for col in ("row", "request id", "lane", "phase", "prompt", "cached", "tokens", "tok/s",
                 "TTFT ms"):  # fmt: skip
@@ -103,6 +112,11 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None) -> Group:
             str(r["cached_tokens"]), str(r["tokens"]), _num(r.get("tokens_per_second"), 1),
             "-" if ttft is None else f"{ttft * 1e3:.0f}",
         )  # fmt: skip
+    return rows
+
+
+def _recent(snap: dict[str, Any]) -> Table:
+    """The last requests, newest first, with what the prompt cache made of each."""
     recent = Table(title="recent requests", expand=True)
     for col in ("request id", "api", "finish", "prompt", "cached", "cache", "diverged at",
                 "message"):  # fmt: skip
@@ -114,7 +128,7 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None) -> Group:
             str(r.get("cached_tokens", "-")), c.get("reason", "-"),
             _num(c.get("diverged_at")), _num(c.get("diverged_message")),
         )  # fmt: skip
-    return Group(head, summary, kv, cache, rows, recent)
+    return recent
 
 
 def _finish(record: dict) -> str:

@@ -10,7 +10,6 @@ machine. `make clients` (part of `make test`) installs the pinned clients into
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from conftest import server_process
+from conftest import server_process, sse_body_chunks
 from mlx_nursery.server.clients import QUIET, cache_dir
 from recording import Exchange, Recording
 
@@ -131,8 +130,4 @@ def sse_data(exchange: Exchange) -> list[dict]:
     """The JSON payloads of a recorded streamed response's events (Anthropic's and
     Responses' ``event:`` frames included; ``conftest.sse_events`` reads a live
     chat stream strictly)."""
-    out = []
-    for line in exchange.response.decode(errors="replace").splitlines():
-        if line.startswith("data: ") and line[6:].strip().startswith("{"):
-            out.append(json.loads(line[6:]))
-    return out
+    return sse_body_chunks(exchange.response)

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 GOLDENS = ROOT / "goldens"
 sys.path.insert(0, str(GOLDENS))
+sys.path.append(str(ROOT / "bench"))  # the flood client (bench/flood.py) the sessions tests run
 
 FAMILIES = ("llama", "qwen3", "gemma3_text", "mamba2", "falcon_h1")
 
@@ -134,6 +135,7 @@ class FaultyModel:
 #
 # Loopback only, port 0, an absolute fail_after on every I/O test.
 
+from collections.abc import AsyncIterator  # noqa: E402
 from functools import partial  # noqa: E402
 
 import attrs  # noqa: E402
@@ -183,6 +185,30 @@ async def sse_events(response: httpx.Response) -> list:
         assert frame.startswith("data: ") and "\n" not in frame, frame
         payload = frame[len("data: ") :]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+async def sse_payloads(response: httpx.Response) -> AsyncIterator[str]:
+    """A live stream's ``data:`` payloads as they arrive (JSON text, or ``[DONE]``);
+    ``event:`` lines and the blank lines between frames are skipped."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            yield line[len("data: ") :]
+
+
+async def sse_chunks(response: httpx.Response) -> AsyncIterator[dict]:
+    """A live stream's JSON payloads as they arrive (``[DONE]`` left out)."""
+    async for payload in sse_payloads(response):
+        if payload.startswith("{"):
+            yield json.loads(payload)
+
+
+def sse_body_chunks(body: bytes) -> list[dict]:
+    """The JSON payloads of a whole recorded stream (any API's frames)."""
+    out = []
+    for line in body.decode(errors="replace").splitlines():
+        if line.startswith("data: ") and line[6:].strip().startswith("{"):
+            out.append(json.loads(line[6:]))
     return out
 
 

@@ -1,4 +1,4 @@
-"""The vectorized CPU softmax (``actors/cpu_softmax.py``): mlx's bits, always.
+"""The vectorized CPU softmax (``actors/step/cpu_softmax.py``): mlx's bits, always.
 
 The library must give exactly the floats mlx computes (its ``exp``, its
 softmax's left-to-right sum, its attention's composition around it), so that

@@ -3,7 +3,6 @@ and removed, and both tiers stay inside their bounds (``docs/prompt-cache.md``).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
@@ -12,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from conftest import ROOT, checked_engine, loaded, model_path, server_process
+from conftest import ROOT, checked_engine, loaded, model_path, server_process, sse_chunks
 from mlx_nursery.actors import CacheTier
 from mlx_nursery.actors.disk_cache import LONG_PREFIX, SUFFIX, read_header
 
@@ -166,10 +165,7 @@ async def ask_streaming(url: str, body: dict) -> tuple[float, str, dict]:
         start = trio.current_time()
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(response):
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk["choices"]:

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from make_models import bytes_to_unicode
-from mlx_lm.models import llama, qwen2
+from mlx_lm.utils import _get_classes
 from mlx_nursery.actors.models.gguf import GGUFError, converted
 from mlx_nursery.actors.models.load import load_model
 from mlx_nursery.actors.models.registry import short_id
@@ -138,15 +138,23 @@ def write_gguf(path: Path, *, arch: str = "llama", override: dict | None = None)
     return held
 
 
-def reference_logits(held: dict, tokens: list[int], arch: str = "llama") -> np.ndarray:
-    """mlx-lm's own model on the held weights, in HF layout (non-traditional RoPE)."""
-    family = {"llama": llama, "qwen2": qwen2}[arch]
-    args = family.ModelArgs(
+def reference_logits(config: dict, held: dict, tokens: list[int]) -> np.ndarray:
+    """mlx-lm's own model of ``config`` on ``held`` weights (HF names, dequantized):
+    the reference every GGUF conversion test holds its model's logits to."""
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.load_weights([(k, mx.array(v)) for k, v in held.items()])
+    return np.array(model(mx.array([tokens]))[0])
+
+
+def tiny_logits(held: dict, tokens: list[int], arch: str = "llama") -> np.ndarray:
+    """:func:`reference_logits` for :func:`write_gguf`'s tiny model: its GGUF
+    tensor names in HF layout (non-traditional RoPE)."""
+    config = dict(
         model_type=arch, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
         intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
         rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0, tie_word_embeddings=False,
     )  # fmt: skip
-    model = family.Model(args)
     names = {
         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -154,7 +162,7 @@ def reference_logits(held: dict, tokens: list[int], arch: str = "llama") -> np.n
         "ffn_norm": "post_attention_layernorm",
     }  # fmt: skip
     top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-    weights = []
+    weights = {}
     for name, w in held.items():
         if name in top:
             key = top[name]
@@ -162,11 +170,10 @@ def reference_logits(held: dict, tokens: list[int], arch: str = "llama") -> np.n
             _, i, part, *bias = name.split(".")
             key = f"model.layers.{i}.{names[part]}"
             if bias:
-                weights.append((f"{key}.bias", mx.array(w)))
+                weights[f"{key}.bias"] = w
                 continue
-        weights.append((f"{key}.weight", mx.array(w)))
-    model.load_weights(weights)
-    return np.array(model(mx.array([tokens]))[0])
+        weights[f"{key}.weight"] = w
+    return reference_logits(config, weights, tokens)
 
 
 def test_a_tiny_gguf_round_trips_to_a_model_whose_logits_match_its_weights(tmp_path, model_cache):
@@ -189,7 +196,7 @@ def test_a_tiny_gguf_round_trips_to_a_model_whose_logits_match_its_weights(tmp_p
     assert tokenizer.decode(tokens) == "hello world, hello!"
     assert TOKENS.index("hell") in tokens  # the merges apply
     got = np.array(model(mx.array([tokens]))[0])
-    want = reference_logits(held, tokens)
+    want = tiny_logits(held, tokens)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
     chat = tokenizer.apply_chat_template(
@@ -206,7 +213,7 @@ def test_a_qwen2_gguf_round_trips_with_its_biases_and_original_rope_order(tmp_pa
     model, tokenizer, _ = load_model(str(path), "float32")
     tokens = tokenizer.encode("hello world")
     got = np.array(model(mx.array([tokens]))[0])
-    np.testing.assert_allclose(got, reference_logits(held, tokens, "qwen2"), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, tiny_logits(held, tokens, "qwen2"), rtol=1e-4, atol=1e-4)
 
 
 def test_the_quantized_model_keeps_mlx_s_quantized_layers(tmp_path, model_cache):
@@ -229,7 +236,7 @@ def test_a_file_with_types_mlx_cannot_read_is_dequantized(tmp_path, model_cache)
     model, tokenizer, _ = load_model(str(path), "float32")
     tokens = tokenizer.encode("well hello")
     np.testing.assert_allclose(
-        np.array(model(mx.array([tokens]))[0]), reference_logits(held, tokens), rtol=1e-4, atol=1e-4
+        np.array(model(mx.array([tokens]))[0]), tiny_logits(held, tokens), rtol=1e-4, atol=1e-4
     )
 
 

@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 from mlx_nursery.actors.models.gguf import converted
 from mlx_nursery.actors.models.load import load_model
-from test_gguf import permute, write_gguf
+from test_gguf import permute, reference_logits, write_gguf
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, HEADS, HEAD_DIM, FFN, LAYERS = 256, 4, 64, 512, 2
@@ -364,14 +364,6 @@ def llama3_factors(config: dict) -> np.ndarray:
             )
             factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
     return np.array(factors, dtype=np.float32)
-
-
-def reference_logits(config: dict, held: dict, tokens: list[int]) -> np.ndarray:
-    """mlx-lm's own model of ``config`` on the held (dequantized) weights."""
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    model.load_weights([(k, mx.array(v)) for k, v in held.items()])
-    return np.array(model(mx.array([tokens]))[0])
 
 
 def assert_same_logits(got: np.ndarray, want: np.ndarray) -> None:

@@ -1,4 +1,4 @@
-"""Ragged attention (``actors/ragged.py``): in a decode step whose rows' lengths
+"""Ragged attention (``actors/step/ragged.py``): in a decode step whose rows' lengths
 differ widely, each row attends over its own keys. The result equals mlx-lm's
 padded, masked attention to float rounding, and rows decoded that way give a
 lone row's tokens (mlx-lm's ``stream_generate``)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from conftest import free_port, model_path, sse_events, wait_healthy
+from conftest import free_port, model_path, sse_events, sse_payloads, wait_healthy
 from mlx_nursery.actors.ranks import shard_error
 from mlx_nursery.actors.ranks.link import RANK_TIMEOUT
 from mlx_nursery.server.launch import MLX_LAUNCH
@@ -197,13 +197,12 @@ async def _streams_end_with_errors(url: str, lose) -> tuple[list, float, dict]:
                     "logit_bias": {"258": -100}}  # fmt: skip
             async with client.stream("POST", "/v1/completions", json=body) as r:
                 chunks = []
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        chunks.append(line[6:])
-                        if len(chunks) == 2:
-                            firsts.append(i)
-                            if len(firsts) == 3:
-                                started.set()
+                async for payload in sse_payloads(r):
+                    chunks.append(payload)
+                    if len(chunks) == 2:
+                        firsts.append(i)
+                        if len(firsts) == 3:
+                            started.set()
                 events[i] = chunks
                 ended.append(time.monotonic())
 

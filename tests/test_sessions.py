@@ -9,9 +9,9 @@ import json
 import httpx
 import pytest
 import trio
-from conftest import checked_engine, running_server
+from conftest import checked_engine, running_server, sse_payloads
+from flood import FloodReport, FloodSpec, run_flood
 from mlx_nursery.actors import FinishReason
-from mlx_nursery.server.flood import FloodReport, FloodSpec, run_flood
 
 EOS = 258  # the golden tokenizer's end token: suppressed, so rows run to max_tokens
 NO_END = {EOS: -100.0}
@@ -93,9 +93,8 @@ async def test_the_sessions_endpoints_list_and_cancel_a_claude_code_session():
                 async with client.stream("POST", "/v1/completions", json=body,
                                          headers=sub) as r:  # fmt: skip
                     assert r.status_code == 200
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: "):
-                            events.append(line[6:])
+                    async for payload in sse_payloads(r):
+                        events.append(payload)
                 streams.append(events)
 
             async with trio.open_nursery() as nursery:

@@ -20,6 +20,7 @@ import pytest
 import trio
 from conftest import checked_engine, golden, loaded, model_path, running_server
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_nursery.actors.errors import InvalidRequest
 from mlx_nursery.actors.request import SamplingParams
 from mlx_nursery.actors.step.batch import Batch
 from mlx_nursery.actors.step.drafting import Drafter, Gate, Matches, NgramIndex, SharedIndex
@@ -310,10 +311,10 @@ async def test_per_request_switch_and_usage(forced_drafts):
     assert on.usage.drafts.tokens_per_forward > 1.0
     assert off.usage.drafts is None
     assert two.usage.drafts is not None
-    with pytest.raises(Exception, match="speculative must be"):
-        SamplingParams(speculative=-1)
-    with pytest.raises(Exception, match="speculative must be"):
-        SamplingParams(speculative="yes")
+    for bad in (-1, "yes"):
+        with pytest.raises(InvalidRequest, match="speculative must be") as caught:
+            SamplingParams(speculative=bad)
+        assert caught.value.param == "speculative"
 
 
 async def test_engine_without_speculation_never_drafts(forced_drafts):
@@ -495,8 +496,6 @@ async def test_draft_model_gives_mlx_lm_tokens(family, drafter, layers, tmp_path
 
 
 async def test_draft_model_that_cannot_draft_is_refused(tmp_path):
-    from mlx_nursery.actors import InvalidRequest
-
     for draft, why in (
         (_draft_dir(tmp_path, "llama", rename=True), "another tokenizer"),
         (str(model_path("mamba2")), "cannot be cut back"),

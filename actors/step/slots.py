@@ -98,7 +98,7 @@ class Slot:
     # A retired row's slot: still stepped (its output never read) until a joiner
     # is written over it in place or the batch is compacted.
     dead: bool = False
-    # Drafting (speculate.py). The row's ids that end it, and how many tokens it
+    # Drafting (drafting.py). The row's ids that end it, and how many tokens it
     # may still read, so a verify step keeps no draft past its end (Row.accept
     # decides the same on the event loop); its prompt, for its drafter, made when
     # it joins a batch that drafts.

@@ -11,7 +11,7 @@ import random
 import httpx
 import trio
 import trio.lowlevel
-from conftest import checked_engine, golden, running_server
+from conftest import checked_engine, golden, running_server, sse_payloads
 
 FAMILY = "llama"
 CASES = golden(FAMILY)["serial"]
@@ -45,12 +45,12 @@ async def test_a_disconnect_storm_leaves_nothing_live_and_every_other_stream_exa
                     async with client.stream("POST", "/v1/completions", json=body) as r:
                         assert r.status_code == 200
                         text, chunks = [], 0
-                        async for line in r.aiter_lines():
+                        async for payload in sse_payloads(r):
                             if keep is not None and chunks >= keep:
                                 dropped += 1
                                 return  # the client goes away mid-stream
-                            if line.startswith("data: {"):
-                                chunk = json.loads(line[6:])
+                            if payload.startswith("{"):
+                                chunk = json.loads(payload)
                                 text += [c["text"] for c in chunk["choices"]]
                                 chunks += 1
                         texts[n] = (case_i, "".join(text))

@@ -15,7 +15,7 @@ gaps; the host's drift between runs cannot move these ratios.
 
 ``docs/sessions.md`` reports it; ``bench/benchsuite.py --flood`` runs it against
 a server with and without sessions, and ``tests/test_sessions.py`` on the golden
-model.
+model (``tests/conftest.py`` puts ``bench/`` on the path).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import time
 import attrs
 import httpx
 import trio
-
-from .bench import WORDS
+from mlx_nursery.server.bench import WORDS
 
 SESSION_HEADER = "X-Claude-Code-Session-Id"  # what Claude Code sends on every request
 
@@ -102,100 +101,126 @@ async def _generated(client: httpx.AsyncClient) -> tuple[int, int]:
 
 async def run_flood(spec: FloodSpec, *, agents: bool = True, main: bool = True) -> FloodReport:
     """One flood: A's sub-agents (``agents``) and B's turns (``main``), or either alone."""
-    rng = random.Random(spec.seed)
-    errors: list[str] = []
-    finished = 0
-    stop = trio.Event()
     limits = httpx.Limits(max_connections=spec.agents + 4)
     async with httpx.AsyncClient(base_url=spec.url, timeout=spec.timeout, limits=limits) as client:
+        return await _Flood(spec, client, agents, main).run()
 
-        shared = f"You are a sub-agent. Tools: {_text(rng, spec.agent_system_words)}"
-        warm = trio.Event()
 
-        async def agent(i: int) -> None:
-            nonlocal finished
-            own = random.Random(spec.seed * 1000 + i)
-            n = 0
-            while not stop.is_set():
-                task = f"Sub-agent {i}, task {n}: {_text(own, spec.task_words)}"
-                messages = [{"role": "user", "content": task}]
-                if await _ask(client, spec, "flood-A", shared, messages, spec.agent_tokens,
-                              errors) is not None:  # fmt: skip
-                    finished += 1
-                    if finished >= spec.warmup_requests:
-                        warm.set()
-                n += 1
+@attrs.define(eq=False)
+class _Flood:
+    """One flood's state: A's sub-agents, B's conversation, the phases' figures."""
 
-        turns: list[float] = []
-        cached: list[float] = []
-        b_tokens = 0
-        system = f"You are the main agent. Context: {_text(rng, spec.history_words)}"
-        messages: list[dict] = []
+    spec: FloodSpec
+    client: httpx.AsyncClient
+    agents: bool
+    main: bool
+    rng: random.Random = attrs.field(init=False)
+    shared: str = attrs.field(init=False)  # A's system prompt
+    system: str = attrs.field(init=False)  # B's
+    errors: list[str] = attrs.field(factory=list)
+    finished: int = 0  # A's requests
+    stop: trio.Event = attrs.field(factory=trio.Event)
+    warm: trio.Event = attrs.field(factory=trio.Event)
+    messages: list[dict] = attrs.field(factory=list)  # B's conversation
+    turns: list[float] = attrs.field(factory=list)
+    cached: list[float] = attrs.field(factory=list)
+    b_tokens: int = 0
+    # The server's tokens and seconds by phase, read at each boundary: the
+    # phase that just ended gets what was generated since the last read.
+    phases: dict[str, list] = attrs.field(
+        factory=lambda: {"before": [0.0, 0], "turns": [0.0, 0], "gaps": [0.0, 0]}
+    )
+    last: list = attrs.field(factory=lambda: [0.0, 0])
 
-        async def turn(n: int) -> dict | None:
-            messages.append({"role": "user", "content": f"Turn {n}: {_text(rng, 40)}"})
-            out = await _ask(client, spec, "flood-B", system, messages, spec.turn_tokens, errors)
+    def __attrs_post_init__(self) -> None:
+        self.rng = random.Random(self.spec.seed)
+        self.shared = f"You are a sub-agent. Tools: {_text(self.rng, self.spec.agent_system_words)}"
+        self.system = f"You are the main agent. Context: {_text(self.rng, self.spec.history_words)}"
+
+    async def agent(self, i: int) -> None:
+        """One of A's sub-agents: each request as the last one ends, until stopped."""
+        spec, own, n = self.spec, random.Random(self.spec.seed * 1000 + i), 0
+        while not self.stop.is_set():
+            task = f"Sub-agent {i}, task {n}: {_text(own, spec.task_words)}"
+            messages = [{"role": "user", "content": task}]
+            out = await _ask(self.client, spec, "flood-A", self.shared, messages,
+                             spec.agent_tokens, self.errors)  # fmt: skip
             if out is not None:
-                answer = "".join(b["text"] for b in out["content"] if b["type"] == "text")
-                messages.append({"role": "assistant", "content": answer or "(nothing)"})
-            return out
+                self.finished += 1
+                if self.finished >= spec.warmup_requests:
+                    self.warm.set()
+            n += 1
 
-        def size(out: dict | None) -> int | None:  # a turn's prompt and answer, in tokens
+    async def turn(self, n: int) -> dict | None:
+        """B's turn ``n``: one more user message, its answer kept in the history."""
+        self.messages.append({"role": "user", "content": f"Turn {n}: {_text(self.rng, 40)}"})
+        out = await _ask(self.client, self.spec, "flood-B", self.system, self.messages,
+                         self.spec.turn_tokens, self.errors)  # fmt: skip
+        if out is not None:
+            answer = "".join(b["text"] for b in out["content"] if b["type"] == "text")
+            self.messages.append({"role": "assistant", "content": answer or "(nothing)"})
+        return out
+
+    async def lap(self, ended: str | None, less: int = 0) -> None:
+        generated, _ = await _generated(self.client)
+        now = time.perf_counter()
+        if ended is not None:
+            self.phases[ended][0] += now - self.last[0]
+            self.phases[ended][1] += generated - self.last[1] - less
+        self.last[:] = [now, generated]
+
+    async def b_turns(self, history: int | None, before: bool) -> None:
+        """B's measured turns, ``gap`` seconds apart."""
+        await self.lap("before" if before else None)
+        for n in range(1, self.spec.turns + 1):
+            if n > 1:
+                await trio.sleep(self.spec.gap)
+                await self.lap("gaps")
+            t0 = time.perf_counter()
+            out = await self.turn(n)
+            self.turns.append(time.perf_counter() - t0)
+            await self.lap("turns", 0 if out is None else out["usage"]["output_tokens"])
             if out is None:
-                return None
-            u = out["usage"]
-            return u["input_tokens"] + u["cache_read_input_tokens"] + u["output_tokens"]
+                break
+            if history is not None:
+                self.cached.append(out["usage"]["cache_read_input_tokens"] / history)
+            history = _size(out)
+            self.b_tokens += out["usage"]["output_tokens"]
 
-        # The server's tokens and seconds by phase, read at each boundary: the
-        # phase that just ended gets what was generated since the last read.
-        phases = {"before": [0.0, 0], "turns": [0.0, 0], "gaps": [0.0, 0]}
-        last = [0.0, 0]
-
-        async def lap(ended: str | None, less: int = 0) -> None:
-            generated, _ = await _generated(client)
-            now = time.perf_counter()
-            if ended is not None:
-                phases[ended][0] += now - last[0]
-                phases[ended][1] += generated - last[1] - less
-            last[:] = [now, generated]
-
+    async def run(self) -> FloodReport:
+        spec, agents, main = self.spec, self.agents, self.main
         before = agents and main and spec.before > 0  # A measured ahead of B's turns
         # B talked before it fanned out: its history is warm, as in a session
-        history = size(await turn(0)) if main else None
+        history = _size(await self.turn(0)) if main else None
         async with trio.open_nursery() as nursery:
             if agents:
                 for i in range(spec.agents):
-                    nursery.start_soon(agent, i)
+                    nursery.start_soon(self.agent, i)
                 with trio.move_on_after(spec.warmup_timeout):
-                    await warm.wait()
+                    await self.warm.wait()
                 if before:
-                    await lap(None)
+                    await self.lap(None)
                     await trio.sleep(spec.before)
-            before_tokens, before_paused = await _generated(client)
+            before_tokens, before_paused = await _generated(self.client)
             start = time.perf_counter()
             if main:
-                await lap("before" if before else None)
-                for n in range(1, spec.turns + 1):
-                    if n > 1:
-                        await trio.sleep(spec.gap)
-                        await lap("gaps")
-                    t0 = time.perf_counter()
-                    out = await turn(n)
-                    turns.append(time.perf_counter() - t0)
-                    await lap("turns", 0 if out is None else out["usage"]["output_tokens"])
-                    if out is None:
-                        break
-                    if history is not None:
-                        cached.append(out["usage"]["cache_read_input_tokens"] / history)
-                    history = size(out)
-                    b_tokens += out["usage"]["output_tokens"]
+                await self.b_turns(history, before)
             else:
                 await trio.sleep(spec.window)
             seconds = time.perf_counter() - start
-            after_tokens, after_paused = await _generated(client)
-            stop.set()
+            after_tokens, after_paused = await _generated(self.client)
+            self.stop.set()
         total = (after_tokens - before_tokens) / seconds
-        rate = (after_tokens - before_tokens - b_tokens) / seconds if agents else None
-        by_phase = [t / s if agents and main and s > 0 else None for s, t in phases.values()]
-        return FloodReport(tuple(turns), tuple(cached), rate, total, finished, seconds,
-                           after_paused - before_paused, tuple(errors), *by_phase)  # fmt: skip
+        rate = (after_tokens - before_tokens - self.b_tokens) / seconds if agents else None
+        by_phase = [t / s if agents and main and s > 0 else None for s, t in self.phases.values()]
+        return FloodReport(tuple(self.turns), tuple(self.cached), rate, total, self.finished,
+                           seconds, after_paused - before_paused, tuple(self.errors),
+                           *by_phase)  # fmt: skip
+
+
+def _size(out: dict | None) -> int | None:
+    """A turn's prompt and answer, in tokens."""
+    if out is None:
+        return None
+    u = out["usage"]
+    return u["input_tokens"] + u["cache_read_input_tokens"] + u["output_tokens"]
