@@ -162,4 +162,3 @@ class DiskWriter:
             Count(Metric.PROMPT_CACHE_DISK_WRITE_BYTES, entry.nbytes),
             Count(Metric.PROMPT_CACHE_DISK_EVICTIONS, len(gone)),
         )
-

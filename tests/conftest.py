@@ -137,6 +137,7 @@ class FaultyModel:
 
 from collections.abc import AsyncIterator  # noqa: E402
 from functools import partial  # noqa: E402
+from typing import Any  # noqa: E402
 
 import attrs  # noqa: E402
 import httpx  # noqa: E402
@@ -188,19 +189,38 @@ async def sse_events(response: httpx.Response) -> list:
     return out
 
 
-async def sse_payloads(response: httpx.Response) -> AsyncIterator[str]:
-    """A live stream's ``data:`` payloads as they arrive (JSON text, or ``[DONE]``);
-    ``event:`` lines and the blank lines between frames are skipped."""
-    async for line in response.aiter_lines():
-        if line.startswith("data: "):
-            yield line[len("data: ") :]
+class _Payloads:
+    """A live stream's ``data:`` payloads as they arrive: ``event:`` lines and
+    the blank lines between frames skipped; ``chunks``: JSON objects only
+    (``[DONE]`` left out), decoded. An iterator, not an async generator: a
+    reader may leave it early without closing it."""
+
+    def __init__(self, response: httpx.Response, chunks: bool) -> None:
+        self._lines, self._chunks = response.aiter_lines(), chunks
+
+    def __aiter__(self) -> _Payloads:
+        return self
+
+    async def __anext__(self) -> Any:
+        while True:
+            line = await self._lines.__anext__()
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: ") :]
+            if not self._chunks:
+                return payload
+            if payload.startswith("{"):
+                return json.loads(payload)
 
 
-async def sse_chunks(response: httpx.Response) -> AsyncIterator[dict]:
-    """A live stream's JSON payloads as they arrive (``[DONE]`` left out)."""
-    async for payload in sse_payloads(response):
-        if payload.startswith("{"):
-            yield json.loads(payload)
+def sse_payloads(response: httpx.Response) -> AsyncIterator[str]:
+    """A live stream's ``data:`` payloads as they arrive (JSON text, or ``[DONE]``)."""
+    return _Payloads(response, chunks=False)
+
+
+def sse_chunks(response: httpx.Response) -> AsyncIterator[dict]:
+    """A live stream's JSON payloads as they arrive, decoded (``[DONE]`` left out)."""
+    return _Payloads(response, chunks=True)
 
 
 def sse_body_chunks(body: bytes) -> list[dict]:

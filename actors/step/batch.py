@@ -69,8 +69,6 @@ def _blocks(parts: Sequence[Batch]) -> tuple[list[list[Any]], int]:
     return blocks, merged
 
 
-
-
 @mirrored(Mirrored.BATCH)
 @attrs.define(eq=False)
 class Batch:
@@ -359,7 +357,6 @@ class Batch:
             slot.first = token
             out.append(sampled)
         return out
-
 
     def step(self, waiting: bool = True) -> list[Read | None]:
         """One decode step: what it read from each slot, in batch order (None: a

@@ -39,8 +39,6 @@ def merge(solo: Sequence[list[Any]]) -> list[Any]:
     return [type(layer[0]).merge(list(layer)) for layer in zip(*solo, strict=True)]
 
 
-
-
 def side_by_side(layer: Sequence[Any]) -> BatchKVCache | None:
     """One layer's caches, in slot order (solo ``KVCache``s and ``BatchKVCache``s),
     as one batch cache written in a single copy: each row right-aligned at the
@@ -175,5 +173,3 @@ def first_kv(caches: Sequence[Any]) -> BatchKVCache | None:
         if isinstance(c, BatchKVCache) and c.keys is not None:
             return c
     return None
-
-

@@ -57,8 +57,6 @@ class Read:
     accepted: int = 0
 
 
-
-
 def row_fault(exc: BaseException) -> str:
     return f"this request failed while generating: {type(exc).__name__}: {exc}"
 
@@ -139,5 +137,3 @@ class Slot:
     @classmethod
     def retired(cls) -> Slot:
         return cls(SamplingParams(), greedy_sampler, [], None, dead=True)
-
-

@@ -141,6 +141,7 @@ class ChatShaper(ChunkShaper):
 
     id_prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
+    calls: int = 0  # tool calls streamed so far (their indices)
 
     def text_choice(self, text: str) -> dict:
         return {"index": 0, "delta": {"content": text}}

@@ -168,7 +168,6 @@ class ChunkShaper(Shaper):
     created: int = attrs.field(factory=lambda: int(time.time()))
     sent_role: bool = False
     offset: int = 0
-    calls: int = 0  # tool calls streamed so far (their indices)
 
     # A plain text chunk's bytes around its JSON-encoded text (see text_frame).
     _head: bytes = attrs.field(init=False, repr=False)
@@ -187,6 +186,10 @@ class ChunkShaper(Shaper):
 
     def choice(self, event: Event, finish: FinishReason | None, logprobs: dict | None) -> dict:
         """The choice for one event that carries something."""
+        raise NotImplementedError
+
+    def logprobs(self, tokens: list[int], logprobs: list[float], tops: list) -> dict:
+        """One event's logprobs, as this API writes them."""
         raise NotImplementedError
 
     def event(self, event: Event) -> bytes:
@@ -260,11 +263,6 @@ class ChunkShaper(Shaper):
     def usage_chunk(self, usage: Usage) -> dict:
         """The final chunk of a stream with ``include_usage``: no choices, the usage."""
         return {**self._wrap([]), "usage": usage_body(usage)}
-
-
-    def logprobs(self, tokens: list[int], logprobs: list[float], tops: list) -> dict:
-        """One event's logprobs, as this API writes them."""
-        raise NotImplementedError
 
     def tool_chunks(self, event: Event) -> list[dict]:
         """The chunks of the tool calls an event ends on (chat's; none elsewhere)."""
