@@ -90,7 +90,7 @@ class DiskWriter:
         if holding:
             self._wake.set()
             return
-        job = PendingWrite(mine, caches, kind, can_trim_prompt_cache(caches), due)
+        job = PendingWrite(mine, caches, str(kind), can_trim_prompt_cache(caches), due)
         # A longer entry that can be cut back makes a queued prefix of it moot.
         kept = [p for p in self._pending if not (job.trimmable and job.covers(p.tokens))]
         self._pending = [*kept, job]
