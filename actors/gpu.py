@@ -34,19 +34,9 @@ import trio
 
 from .errors import RanksLost
 from .request import Lane
+from .step import calls
 
 log = logging.getLogger("mlx_nursery.engine")
-
-# GPU calls begun in this process, by every engine's thread: a decode step that
-# sees the count one past its last step's knows nothing else ran in between (its
-# period is its own: step.verify.Verifier times plain steps so).
-_begun = itertools.count(1)
-begun = 0
-
-
-def calls_begun() -> int:
-    return begun
-
 
 @attrs.frozen
 class GpuStatistics:
@@ -89,8 +79,7 @@ class Gpu:
             if job is None:
                 return
             fn, args, deliver, here = job
-            global begun
-            begun = next(_begun)
+            calls.began()
             t0 = time.perf_counter()
             self._call_started = time.monotonic()
             result = self._run(fn, args, here)

@@ -25,6 +25,10 @@ def test_console_script_is_installed():
 
 PACKAGES = {"actors": "mlx_nursery.actors", "server": "mlx_nursery.server"}
 ROOT = Path(__file__).resolve().parent.parent
+# The actor modules (docs/engine.md): the GPU-thread state in actors/step/ is
+# handed to them and imports none of them.
+ACTORS = ("engine", "admission", "prefill", "decode", "serial", "emitter", "prompt_cache",
+          "stats", "gpu", "watchdog")  # fmt: skip
 # A function's code lines (no docstring, comments or blank lines) beyond this are
 # split: a reader should see a function whole.
 LONGEST_FUNCTION = 60
@@ -77,6 +81,9 @@ def test_the_package_has_no_import_cycle():
     engine = [n for n, deps in graph.items() if n.startswith(PACKAGES["actors"])
               and any(d.startswith(PACKAGES["server"]) for d in deps)]  # fmt: skip
     assert not engine, f"the engine imports the server: {engine}"
+    actors = {f"{PACKAGES['actors']}.{name}" for name in ACTORS}
+    step = {n: deps & actors for n, deps in graph.items() if ".actors.step" in n}
+    assert not any(step.values()), f"the GPU-thread state imports an actor: {step}"
 
 
 def _code_lines(node: ast.AST, lines: list[str]) -> int:

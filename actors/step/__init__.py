@@ -7,7 +7,9 @@
 - ``slots``: a row's sampling state in a batch, and what a step reads from it;
 - ``kv``: KV cache helpers the batch, the joiner and the prompt cache share;
 - ``ragged``, ``cpu_softmax``: the CPU kernels a verify step's attention and
-  logsumexp use.
+  logsumexp use;
+- ``calls``: the count of GPU calls begun (the GPU actor counts, the verifier
+  reads it to time steps).
 
 The actors own these objects and hand them to the GPU thread; nothing here
 imports an actor. Importers name the module (``step.batch.Batch``): this package

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 import attrs
 import mlx.core as mx
 
-from ..gpu import calls_begun
 from . import cpu_softmax, ragged
 from .batch import Batch
+from .calls import calls_begun
 from .drafting import Drafter, DraftModel, Gate, Matches, ModelDrafter, SharedIndex
 from .slots import Read, Sampled, Slot
 
