@@ -46,7 +46,7 @@ class Verifying(Protocol):
     def step(self, batch: Batch, waiting: bool) -> list[Read | None] | None:
         """A verify step, or None for a plain one."""
 
-    def plain_clock(self, batch: Batch, fits: bool) -> Any:
+    def plain_clock(self, batch: Batch) -> Any:
         """Before a plain step's forward: its timing (a clock to finish, or None)."""
 
     def plain_timed(self, batch: Batch, clock: Any) -> None:
@@ -380,7 +380,7 @@ class Batch:
         current_lp = self.next_logprobs
         clock = None
         if self.verifier is not None:
-            clock = self.verifier.plain_clock(self, self.drafts_fit)
+            clock = self.verifier.plain_clock(self)
         self.make_room(1)
         inputs, _ = self.forward()
         if clock is not None:

@@ -151,14 +151,14 @@ class Verifier:
                 slot.drafter.shadow_of(proposal)
         return None
 
-    def plain_clock(self, batch: Batch, fits: bool) -> _Clock | None:
+    def plain_clock(self, batch: Batch) -> _Clock | None:
         """Before a plain step's forward: time it for the gate, from the last plain
         step's start when that one was plain too, in the GPU call just before this
         one, with the same rows (the pipeline's period: no join, leave or prefill
         chunk in between). Where the figure is stale, a :class:`_Clock`: the step
-        then waits for its forward once (:meth:`plain_timed`). ``fits``: whether
-        the batch can verify at all (else nothing is timed)."""
-        if not fits:
+        then waits for its forward once (:meth:`plain_timed`). Nothing is timed
+        where the batch cannot verify at all (its caches cannot be cut back)."""
+        if not batch.drafts_fit:
             self._plain_at = None
             return None
         gate, rows = self.spec.gate, len(batch.slots)

@@ -181,7 +181,7 @@ class ChatShaper(ChunkShaper):
 
 class Chat(OpenAIApi):
     name = "chat.completions"
-    id_prefix, response_object, shaper_class = "chatcmpl", "chat.completion", ChatShaper
+    response_object, shaper_class = "chat.completion", ChatShaper
 
     def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
         return parse_chat(body, headers)

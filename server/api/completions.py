@@ -77,7 +77,7 @@ class CompletionShaper(ChunkShaper):
 
 class Completions(OpenAIApi):
     name = "completions"
-    id_prefix, response_object, shaper_class = "cmpl", "text_completion", CompletionShaper
+    response_object, shaper_class = "text_completion", CompletionShaper
 
     def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
         return parse_completion(body, headers)

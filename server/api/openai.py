@@ -273,9 +273,8 @@ class OpenAIApi(Api):
     """Chat and text completions: one response object family, one chunk stream;
     each says how it parses, how its choice reads, and its shaper."""
 
-    id_prefix: ClassVar[str]
     response_object: ClassVar[str]
-    shaper_class: ClassVar[type[ChunkShaper]]
+    shaper_class: ClassVar[type[ChunkShaper]]  # its chunks' id prefix is the response's
 
     def choice(self, result: Result, tokenizer: Any) -> dict:
         """The response's one choice (index, its content, finish reason, logprobs)."""
@@ -286,7 +285,7 @@ class OpenAIApi(Api):
         if parsed.token_ids:
             choice["token_ids"] = list(result.tokens)
         return {
-            "id": new_id(self.id_prefix),
+            "id": new_id(self.shaper_class.id_prefix),
             "object": self.response_object,
             "created": int(time.time()),
             "model": served.model,
