@@ -21,6 +21,7 @@ import enum
 import attrs
 import trio
 
+from .families import HarmonySplitter, family_of
 from .request import Drafts, Event, FinishReason, TopLogprob, Usage
 from .row import Cancel, Finish, Row
 from .stats import Count, Metric, Observe, Stats
@@ -81,6 +82,7 @@ class _Delivery:
     halted: Halt | None = None  # set once the owner has been asked to end the row
     tools: ToolScanner | None = None  # lifts tool calls out of the text (rows with tools)
     thinking: ReasoningScanner | None = None  # splits a thinking model's reasoning out
+    harmony: HarmonySplitter | None = None  # gpt-oss: channels are content, reasoning, calls
     stop_sequence: str | None = None  # the stop string that ended the row
     fault: str | None = None  # what went wrong in this row's delivery
 
@@ -139,13 +141,15 @@ class Emitter:
 
     def _new_delivery(self, row: Row) -> _Delivery:
         scans = bool(row.params.tools) and row.params.tool_choice != "none"
-        thinking = None
-        if self.think is not None:
-            thinking = ReasoningScanner(*self.think, inside=row.starts_thinking)
-        tools = None
-        if scans:
-            tools = ToolScanner(row.params.tool_format or GENERIC, row.params.tools)
-        return _Delivery(self.tokenizer.detokenizer, tools=tools, thinking=thinking)
+        fmt = row.params.tool_format or GENERIC
+        tools = ToolScanner(fmt, row.params.tools if scans else ())
+        d = _Delivery(self.tokenizer.detokenizer, tools=tools if scans else None)
+        family = family_of(self.tokenizer)
+        if family is not None and family.name == "harmony":
+            d.tools, d.harmony = tools, HarmonySplitter(tools.harmony_call)
+        elif self.think is not None:
+            d.thinking = ReasoningScanner(*self.think, inside=row.starts_thinking)
+        return d
 
     @staticmethod
     def _split(
@@ -154,6 +158,8 @@ class Emitter:
         """(content, reasoning, tool calls) of newly shown text; ``cut``: the row
         ended at max_tokens (a call it was opening is dropped, never shown)."""
         reasoning, calls = "", []
+        if d.harmony is not None:
+            return d.harmony.feed(text, final=final, cut=cut)
         if d.thinking is not None:
             text, reasoning = d.thinking.feed(text, final=final)
         if d.tools is not None:

@@ -38,6 +38,7 @@ from .step import calls
 
 log = logging.getLogger("mlx_nursery.engine")
 
+
 @attrs.frozen
 class GpuStatistics:
     calls: int  # calls completed since start

@@ -25,6 +25,7 @@ from .constrain import (
     unimplemented_keys,
 )
 from .errors import ContextOverflow, InvalidRequest
+from .families import Lit, literal
 from .models.load import ModelInfo
 from .request import Lane, Prompt, Request, SamplingParams, session_weight
 from .row import Row, RowTimes
@@ -38,6 +39,7 @@ from .tools import (
     chosen,
     loosen_tools,
     native_messages,
+    native_tools,
     render_messages,
     tool_format,
 )
@@ -51,6 +53,9 @@ class Intake:
     budget: int | None  # resolved KV budget in bytes (None: no budget)
     ll_tokenizer: Any = None  # llguidance's view of the tokenizer (None: no constraints)
     _ids: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
+    # Call markers as grammar terminals (a special token as itself), made once.
+    lit: Lit = attrs.field(init=False, default=attrs.Factory(lambda s: literal(s.tokenizer),
+                                                             takes_self=True))  # fmt: skip
 
     def row(self, request: Request) -> tuple[Row, trio.MemoryReceiveChannel]:
         """A QUEUED row for this request, and the receive end of its event channel
@@ -58,7 +63,8 @@ class Intake:
         Raises :class:`InvalidRequest` for anything the engine cannot run."""
         weight = 1.0 if request.weight is None else session_weight(request.weight)
         sampling, ids, boundary = self.prompt(request.prompt, request.params)
-        sampling = self._constrain(sampling)
+        thinking = self._opens_thinking(ids)
+        sampling = self._constrain(sampling, thinking)
         self._check_token_ids(sampling)
         self._check_context(ids, sampling)
         kv = self.project(len(ids) + sampling.max_tokens)
@@ -74,7 +80,7 @@ class Intake:
             stop_ids=self.info.eos | frozenset(sampling.stop_token_ids),
             snapshot_at=boundary,
             kv_projected=kv,
-            starts_thinking=self._opens_thinking(ids),
+            starts_thinking=thinking,
             request_id=request.request_id,
             session=request.session,
             parent=request.parent if request.session is not None else None,
@@ -106,16 +112,18 @@ class Intake:
         """Worst-case KV bytes of one row holding ``tokens`` tokens."""
         return project(self.info.kv_costs, tokens, self.settings.prefill_step_size)
 
-    def _constrain(self, params: SamplingParams) -> SamplingParams:
+    def _constrain(self, params: SamplingParams, thinking: bool = False) -> SamplingParams:
         """A response format, or a required tool call, becomes a grammar mask of the
         row's own (one matcher per request), after the caller's processors. With
         tools under ``auto``, a format shapes the final message only: the answer is
         calls or that message. A required call is constrained to the calls; the
-        format is for the final message of a later turn."""
+        format is for the final message of a later turn. Where the prompt opened a
+        think block, a required call's grammar closes it first."""
         schema = schema_of(params.response_format) if params.response_format else None
         calls = call_grammar(
-            params.tools, params.tool_choice, params.parallel_tool_calls, params.tool_format
-        )
+            params.tools, params.tool_choice, params.parallel_tool_calls, params.tool_format,
+            self.lit,
+        )  # fmt: skip
         fmt = params.tool_format or GENERIC
         either = schema is not None and params.tool_choice == "auto" and fmt.json and params.tools
         if schema is None and calls is None:
@@ -128,15 +136,16 @@ class Intake:
                 param=param,
             )
         if calls is not None:
+            closing = self.lit(self.info.think[1]) if thinking and self.info.think else None
             grammar, params = self._compile_tools(
-                params, lambda tools: call_grammar(
-                    tools, params.tool_choice, params.parallel_tool_calls, fmt)
+                params, lambda tools: after(closing, call_grammar(
+                    tools, params.tool_choice, params.parallel_tool_calls, fmt, self.lit))
             )  # fmt: skip
         elif either:
             schema = loosened_schema(self.ll_tokenizer, schema)
             grammar, params = self._compile_tools(
                 params, lambda tools: calls_or_answer_grammar(
-                    tools, params.parallel_tool_calls, fmt, schema)
+                    tools, params.parallel_tool_calls, fmt, schema, self.lit)
             )  # fmt: skip
         else:
             grammar = compile_schema(self.ll_tokenizer, loosened_schema(self.ll_tokenizer, schema))
@@ -149,7 +158,7 @@ class Intake:
         """The grammar over the tools' schemas. Keywords the grammar engine cannot
         compile (``propertyNames``, ...) are left out of the constraint, not the
         request: the constraint is what compiles, and calls are checked against
-        the full schemas when they are parsed (``tool_format.strict``)."""
+        the full schemas when they are parsed (every call is)."""
         tools = params.tools
         for _ in range(8):
             try:
@@ -159,8 +168,6 @@ class Intake:
                 if not keys:
                     raise
                 tools = loosen_tools(tools, keys)
-                fmt = attrs.evolve(params.tool_format or GENERIC, strict=params.tools)
-                params = attrs.evolve(params, tool_format=fmt)
         return compile_lark(self.ll_tokenizer, lark(tools), "tools"), params
 
     def _constrain_opened_calls(self, params: SamplingParams) -> SamplingParams:
@@ -170,8 +177,9 @@ class Intake:
         fmt = params.tool_format
         if body_grammar(params.tools, fmt) is None:
             return params
-        grammar, params = self._compile_tools(params, lambda tools: body_grammar(tools, fmt))
-        fmt = params.tool_format
+        grammar, params = self._compile_tools(
+            params, lambda tools: body_grammar(tools, fmt, self.lit)
+        )
         mask = OpenedCallMask(
             self.ll_tokenizer, self.tokenizer, grammar, fmt.open, self.info.vocab_size
         )
@@ -309,6 +317,14 @@ class Intake:
         )
 
 
+def after(closing: str | None, lark: str) -> str:
+    """``lark``'s answer after ``closing`` (a think block's end) and any blank space."""
+    if closing is None:
+        return lark
+    first, rest = lark.split("\n", 1)
+    return f"start: {closing} /[ \\n]*/ ({first.removeprefix('start:').strip()})\n{rest}"
+
+
 def merge_system(messages: list) -> list | None:
     """Messages with every system message after the first folded into one leading
     system message, in order (None: there are none to fold). For templates that
@@ -329,8 +345,8 @@ def _tool_rendering(
     format written into the messages."""
     history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     if fmt.native:
-        extra = {**template, "tools": list(tools)} if tools else template
-        return (native_messages(messages) if history else messages), extra
+        extra = {**template, "tools": native_tools(tools)} if tools else template
+        return (native_messages(messages, fmt.family) if history else messages), extra
     if tools or history:
         return render_messages(messages, tools), template
     return messages, template

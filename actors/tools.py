@@ -26,51 +26,54 @@ import jsonschema
 
 from .constrain import loosen
 from .errors import InvalidRequest
+from .families import BY_NAME, DECODER, Family, Lit, family_of
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-def _json_call(body: str, tools: Any = None) -> dict:
-    return json.loads(body)
-
-
 @attrs.frozen
 class ToolFormat:
-    """How calls look in the text: between ``open`` and ``close``, parsed by
-    ``parse(body, tools) -> {"name", "arguments"}``. ``native``: the chat
-    template's own (rendered with ``tools=``, parsed by mlx-lm's tool parser);
-    else the generic format. ``json``: the body is one JSON object, so a grammar
-    can constrain it."""
+    """How calls look in the text: a :class:`families.Family`'s markup.
+    ``native``: the chat template's own (rendered with ``tools=``); else the
+    generic format, Hermes' markup described in the system prompt."""
 
-    open: str = OPEN
-    close: str = CLOSE
-    parse: Any = attrs.field(default=_json_call, repr=False)
+    family: Family = BY_NAME["hermes"]
     native: bool = False
-    json: bool = True
-    # The request's tools with their full schemas, where the constraint had to
-    # leave keywords out (see ``loosen_tools``): a call is checked against these.
-    strict: tuple = attrs.field(default=(), repr=False)
+
+    @property
+    def open(self) -> str:
+        return self.family.open
+
+    @property
+    def close(self) -> str:
+        return self.family.close
+
+    @property
+    def json(self) -> bool:
+        """The body is one JSON object ``{"name", "arguments"}`` (Hermes'), which
+        the ``auto`` grammars (an opened call, calls or a format) are built on."""
+        return self.family.name == "hermes"
 
 
 GENERIC = ToolFormat()
 
 
 def tool_format(tokenizer: Any, choice: str | None) -> ToolFormat:
-    """The template's own format where mlx-lm knows it (its JSON ones, or any when
-    the answer is free); otherwise the generic one."""
-    if not getattr(tokenizer, "has_tool_calling", False):
-        return GENERIC
-    parse = tokenizer.tool_parser
-    is_json = getattr(parse, "__module__", "").endswith(".json_tools")
-    if choice not in ("auto", "none") and not is_json:
-        return GENERIC  # a constrained call needs a JSON body
-    return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, parse, True, is_json)
+    """The template's own format where its family is known; else the generic one."""
+    family = family_of(tokenizer)
+    return GENERIC if family is None else ToolFormat(family, True)
 
 
-def native_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+def native_messages(
+    messages: Sequence[Mapping[str, Any]], family: Family | None = None
+) -> list[dict]:
     """Messages for a template with its own tool markup: call arguments as objects
-    (OpenAI sends them as JSON text; templates render them with ``tojson``)."""
+    (OpenAI sends them as JSON text; templates render them with ``tojson``), or as
+    text where the family's template joins them as text (DeepSeek's). Harmony's
+    template takes an analysis or a content beside a call, not both: the analysis
+    (what gpt-oss wrote before the call) is kept."""
     out = []
+    as_text = family is not None and family.arguments_as_text
     for m in messages:
         calls = m.get("tool_calls")
         if not calls:
@@ -79,14 +82,26 @@ def native_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
         fixed = []
         for c in calls:
             fn = dict(c.get("function") or {}) if isinstance(c, Mapping) else {}
-            if isinstance(fn.get("arguments"), str):
-                try:
-                    fn["arguments"] = json.loads(fn["arguments"] or "{}")
-                except json.JSONDecodeError:
-                    _fail("an assistant message's tool call arguments must be JSON", "messages")
+            args = fn.get("arguments")
+            try:
+                if isinstance(args, str) and not as_text:
+                    fn["arguments"] = json.loads(args or "{}")
+                elif as_text and not isinstance(args, str):
+                    fn["arguments"] = json.dumps(args or {})
+            except (json.JSONDecodeError, TypeError):
+                _fail("an assistant message's tool call arguments must be JSON", "messages")
             fixed.append({**c, "function": fn})
-        out.append({**m, "tool_calls": fixed})
+        message = {**m, "tool_calls": fixed}
+        if family is not None and family.name == "harmony" and m.get("reasoning_content"):
+            message["content"] = ""
+        out.append(message)
     return out
+
+
+def native_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Tools for a template's own rendering: each function with a description
+    (gpt-oss's template reads it unguarded; an empty one renders as none)."""
+    return [{**t, "function": {"description": "", **t["function"]}} for t in tools]
 
 
 @attrs.frozen
@@ -112,7 +127,7 @@ def meets_schema(tools: Sequence[Mapping[str, Any]], name: str, arguments: str) 
         if tool["function"]["name"] == name:
             schema = tool["function"].get("parameters") or {"type": "object"}
             try:
-                jsonschema.validate(json.loads(arguments), schema)
+                jsonschema.validate(DECODER.decode(arguments), schema)
             except (jsonschema.ValidationError, jsonschema.SchemaError, ValueError):
                 return False
             return True
@@ -182,50 +197,62 @@ def _calls_schema(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat = GENERIC)
     return {"x-guidance": {"whitespace_flexible": False, **spacing}, **schema}
 
 
-def _body(fmt: ToolFormat) -> str:
-    """A call's body in the grammar: a template's own format puts a newline on
-    each side of the JSON (``<tool_call>\\n{...}\\n</tool_call>``); either may be
-    left out."""
-    return "obj" if not fmt.native else '"\\n"? obj "\\n"?'
+def _call_rule(fmt: ToolFormat, lit: Lit) -> str:
+    """A Hermes call: a template's own format puts a newline on each side of the
+    JSON (``<tool_call>\\n{...}\\n</tool_call>``), either may be left out; its
+    tags are the special tokens they are in the model's vocabulary."""
+    if not fmt.native:
+        return f"call: {json.dumps(OPEN)} obj {json.dumps(CLOSE)}"
+    return f'call: {lit(OPEN)} "\\n"? obj "\\n"? {lit(CLOSE)}'
 
 
 def call_grammar(
-    tools: Sequence[Mapping[str, Any]], choice: str, parallel: bool, fmt: ToolFormat = GENERIC
+    tools: Sequence[Mapping[str, Any]],
+    choice: str,
+    parallel: bool,
+    fmt: ToolFormat = GENERIC,
+    lit: Lit = json.dumps,
 ) -> str | None:
-    """The lark grammar a ``required`` or named choice constrains the answer to."""
-    if choice in ("auto", "none") or not fmt.json:
+    """The lark grammar a ``required`` or named choice constrains the answer to:
+    the family's own markup where the template has one."""
+    if choice in ("auto", "none"):
         return None
     pool = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
-    schema = _calls_schema(pool, fmt)
+    if fmt.native and not fmt.json:
+        return fmt.family.grammar(pool, parallel, lit)
     repeat = "+" if parallel else ""
-    return (
-        f"start: call{repeat}\ncall: {json.dumps(fmt.open)} {_body(fmt)} {json.dumps(fmt.close)}\n"
-        f"obj: %json {json.dumps(schema)}\n"
-    )
+    schema = _calls_schema(pool, fmt)
+    return f"start: call{repeat}\n{_call_rule(fmt, lit)}\nobj: %json {json.dumps(schema)}\n"
 
 
 def calls_or_answer_grammar(
-    tools: Sequence[Mapping[str, Any]], parallel: bool, fmt: ToolFormat, schema: Mapping[str, Any]
+    tools: Sequence[Mapping[str, Any]],
+    parallel: bool,
+    fmt: ToolFormat,
+    schema: Mapping[str, Any],
+    lit: Lit = json.dumps,
 ) -> str:
     """``auto`` tools with a response format: the answer is either tool calls or
     the final message in the format (as OpenAI applies a format to the final
     message only, never to a call)."""
     repeat = "+" if parallel else ""
     return (
-        f"start: calls | answer\ncalls: call{repeat}\n"
-        f"call: {json.dumps(fmt.open)} {_body(fmt)} {json.dumps(fmt.close)}\n"
+        f"start: calls | answer\ncalls: call{repeat}\n{_call_rule(fmt, lit)}\n"
         f"obj: %json {json.dumps(_calls_schema(tools, fmt))}\n"
         f"answer: %json {json.dumps(schema)}\n"
     )
 
 
-def body_grammar(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat = GENERIC) -> str | None:
+def body_grammar(
+    tools: Sequence[Mapping[str, Any]], fmt: ToolFormat = GENERIC, lit: Lit = json.dumps
+) -> str | None:
     """The lark grammar of one call's body and closing tag, for ``auto`` calls
-    once opened (None where the format's body is not JSON)."""
+    once opened (None where the format's body is not Hermes' JSON)."""
     if not tools or not fmt.json:
         return None
+    body, close = ('"\\n"? obj "\\n"?', lit(CLOSE)) if fmt.native else ("obj", json.dumps(CLOSE))
     schema = _calls_schema(tools, fmt)
-    return f"start: {_body(fmt)} {json.dumps(fmt.close)}\nobj: %json {json.dumps(schema)}\n"
+    return f"start: {body} {close}\nobj: %json {json.dumps(schema)}\n"
 
 
 def system_text(tools: Sequence[Mapping[str, Any]]) -> str:
@@ -278,70 +305,42 @@ def _markup(call: Any) -> str:
     return f"{OPEN}{json.dumps({'name': fn['name'], 'arguments': parsed})}{CLOSE}"
 
 
-def _not_json(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-_DECODER = json.JSONDecoder(parse_constant=_not_json)  # strict: no NaN, no Infinity
-
-
 def written_arguments(body: str) -> str | None:
-    """The ``arguments`` value of a JSON call body exactly as the model wrote it
-    (never parsed and written again: ``1E+400`` stays ``1E+400``, where a float
-    would print ``Infinity``, which is not JSON). ``{}`` where there is none;
-    None where it is not an object or the body is not one JSON object."""
-    text = body.strip()
-    if not text.startswith("{"):
-        return None
-    found, at = "{}", 1
+    """The ``arguments`` value of a Hermes call body exactly as the model wrote
+    it (never parsed and written again: ``1E+400`` stays ``1E+400``, where a
+    float would print ``Infinity``, which is not JSON); None where the body is
+    not one such call."""
     try:
-        while True:
-            at = _skip(text, at)
-            if text[at] == "}":
-                return found if _skip(text, at + 1) == len(text) else None
-            key, at = _DECODER.raw_decode(text, at)
-            at = _skip(text, at)
-            if not isinstance(key, str) or text[at] != ":":
-                return None
-            start = _skip(text, at + 1)
-            value, end = _DECODER.raw_decode(text, start)
-            if key == "arguments":
-                if not isinstance(value, dict):
-                    return None
-                found = text[start:end]
-            at = _skip(text, end)
-            if text[at] == ",":
-                at += 1
-            elif text[at] != "}":
-                return None
-    except (ValueError, IndexError):
+        ((_, args),) = BY_NAME["hermes"].parse(body, ())
+    except ValueError:
         return None
-
-
-def _skip(text: str, at: int) -> int:
-    while at < len(text) and text[at] in " \t\n\r":
-        at += 1
-    return at
+    return args
 
 
 @attrs.define
 class ToolScanner:
-    """Splits a row's streamed text into content and tool calls (emitter-side)."""
+    """Splits a row's streamed text into content and tool calls (emitter-side):
+    the family's blocks of calls are lifted out; a block whose calls do not all
+    read (a call cut short, an unknown function, arguments that break the tool's
+    schema) stays text, as the model wrote it."""
 
     format: ToolFormat = GENERIC
-    tools: Any = None  # the request's tools (some of mlx-lm's parsers need them)
-    text: str = ""  # held back: a possible tag start, or an open call's body
+    tools: Any = None  # the request's tools, with their full schemas
+    text: str = ""  # held back: a possible tag start, or an open block
     inside: bool = False
     calls: int = 0
-    cut: str | None = None  # the body of a call the row ended inside, dropped
+    cut: str | None = None  # the body of a block the row ended inside, dropped
+    shown: bool = False  # content has been shown (a whole-answer family: not a call)
 
     def feed(
         self, piece: str, *, final: bool = False, cut: bool = False
     ) -> tuple[str, list[ToolCall]]:
         """Content and calls that can be shown now. ``final``: the row's text is
-        all in; ``cut``: it ended at max_tokens, so an opening tag begun at its
-        end is a call cut short too, not text."""
+        all in; ``cut``: it ended at max_tokens, so a block open at its end, or
+        an opening tag begun there, is a call cut short, not text."""
         self.text += piece
+        if not self.format.open:
+            return self._whole(final, cut)
         shown, found = [], []
         opening, closing = self.format.open, self.format.close
         while True:
@@ -357,41 +356,71 @@ class ToolScanner:
                     break
                 shown.append(self.text[:at])
                 self.text, self.inside = self.text[at + len(opening) :], True
-            end = self.text.find(closing)
+            end = self.text.find(closing or opening)
+            if end < 0 and closing == "" and final and not cut:
+                end = len(self.text)  # a block with no closing tag ends with the answer
             if end < 0:
-                if final:  # a call cut short (max_tokens): neither a call nor content
-                    self.cut = self.text
+                if final and cut:  # a block cut short (max_tokens): neither a call nor content
+                    self.cut, self.text, self.inside = self.text, "", False
+                elif final:  # the model ended inside a block: what it wrote is text
+                    shown.append(opening + self.text)
                     self.text, self.inside = "", False
                 break
-            body, self.text, self.inside = self.text[:end], self.text[end + len(closing) :], False
-            call = self._parse(body)
-            if call is None:
-                shown.append(body)
-            else:
-                found.append(call)
+            body, self.text = self.text[:end], self.text[end + len(closing) :]
+            self.inside = False
+            calls = self._parse(body)
+            shown.append(opening + body + closing if calls is None else "")
+            found.extend(calls or ())
         return "".join(shown), found
 
-    def _parse(self, body: str) -> ToolCall | None:
+    def _whole(self, final: bool, cut: bool) -> tuple[str, list[ToolCall]]:
+        """A family whose calls are the whole answer (Llama 3's JSON): text that
+        starts like a call is held to the end, then read; any other is content."""
+        start = self.text.lstrip()
+        if self.shown or not (start == "" or start[0] == "{" or
+                              "<|python_tag|>".startswith(start[:14]) or
+                              start.startswith("<|python_tag|>")):  # fmt: skip
+            self.shown, out, self.text = True, self.text, ""
+            return out, []
+        if not final:
+            return "", []
+        body, self.text = self.text, ""
+        if cut:
+            self.cut = body
+            return "", []
+        calls = self._parse(body.strip().removeprefix("<|python_tag|>"))
+        return (body, []) if calls is None else ("", calls)
+
+    def _parse(self, body: str) -> list[ToolCall] | None:
         try:
-            obj = self.format.parse(body, list(self.tools or ()))
+            found = self.format.family.parse(body, list(self.tools or ()))
         except Exception:  # a parser's own error: the text stays text
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        calls = [self.checked(name, args) for name, args in found]
+        if not calls or None in calls:
             return None
-        args = obj.get("arguments", {})
-        if self.format.json:
-            args = written_arguments(body)
-        elif not isinstance(args, str):
+        self.calls += len(calls)
+        return calls
+
+    def checked(self, name: Any, args: Any) -> ToolCall | None:
+        """A call, where its function is one of the request's and its arguments
+        (JSON text, or a value to write as JSON) meet that tool's schema."""
+        if not isinstance(name, str):
+            return None
+        if not isinstance(args, str):
             try:
                 args = json.dumps(args, allow_nan=False)
-            except ValueError:  # a number no JSON can carry: the text stays text
+            except (TypeError, ValueError):  # a number no JSON can carry
                 return None
-        if args is None:
+        if not meets_schema(self.tools or (), name, args):
             return None
-        if self.format.strict and not meets_schema(self.format.strict, obj["name"], args):
-            return None  # the loosened constraint let through what the full schema refuses
-        self.calls += 1
-        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"], args)
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, args)
+
+    def harmony_call(self, name: str, body: str) -> ToolCall | None:
+        """A Harmony message to ``functions.name`` (its body the JSON arguments)."""
+        call = self.checked(name, body.strip())
+        self.calls += call is not None
+        return call
 
 
 @attrs.define

@@ -158,7 +158,7 @@ def bytes_to_unicode() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def tokenizer_json() -> dict:
+def tokenizer_json(specials: list[str] = SPECIALS) -> dict:
     vocab = {ch: i for i, ch in enumerate(bytes_to_unicode())}
     added = [
         {
@@ -170,7 +170,7 @@ def tokenizer_json() -> dict:
             "normalized": False,
             "special": True,
         }
-        for i, tok in enumerate(SPECIALS)
+        for i, tok in enumerate(specials)
     ]
     byte_level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     return {

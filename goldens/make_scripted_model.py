@@ -22,7 +22,9 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-from make_models import SPECIALS, VOCAB, write_tokenizer
+from family_fixtures import FIXTURES
+from family_fixtures import write_tokenizer as write_family_tokenizer
+from make_models import CONFIGS, SPECIALS, _weights, write_tokenizer
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
@@ -38,29 +40,60 @@ BODY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "inter
         "tie_word_embeddings": True}  # fmt: skip
 
 
-def build(out: Path, script: dict, body: dict | None = None) -> Path:
+def _tokenizer(out: Path, family: str | None) -> tuple[list, list, str]:
+    """The tokenizer files: the golden chatml one (qwen3's template with its tool
+    markup), or a family's (its real template and specials); (specials, end
+    tokens, dialect)."""
+    if family is None:
+        write_tokenizer(out, "qwen3")
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        config["model_max_length"] = CONTEXT
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+        return SPECIALS, ["<|im_end|>"], "chatml"
+    fixture = write_family_tokenizer(out, family)
+    return list(fixture.specials), list(fixture.eos), fixture.dialect
+
+
+def build(out: Path, script: dict, body: dict | None = None, family: str | None = None) -> Path:
     """A scripted model in ``out`` (replaced) answering by ``script``; with
     ``body`` (a llama config, e.g. ``BODY``), a random transformer runs beside the
-    script, so its forward costs what that model's does."""
+    script, so its forward costs what that model's does. ``family``: one of
+    ``family_fixtures.FIXTURES``, whose template it is served with and whose
+    markup it writes (default: chatml with Hermes calls)."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    write_tokenizer(out, "qwen3")  # the chat template with tool markup
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config["model_max_length"] = CONTEXT
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    specials, ends, dialect = _tokenizer(out, family)
+    vocab = 256 + len(specials)
     shutil.copy(HERE / "scripted_model.py", out / "model.py")
     (out / "script.json").write_text(json.dumps(script, indent=1))
-    config = {"model_type": "scripted", "model_file": "model.py", "vocab_size": VOCAB,
-              "max_position_embeddings": CONTEXT, "specials": SPECIALS,
-              "eos_token_id": 256 + SPECIALS.index("<|im_end|>"), "body": body}  # fmt: skip
+    config = {"model_type": "scripted", "model_file": "model.py", "vocab_size": vocab,
+              "max_position_embeddings": CONTEXT, "specials": specials, "dialect": dialect,
+              "eos_token_id": [256 + specials.index(e) for e in ends], "body": body}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
     weights = {"unit": mx.ones((1,))}
     if body is not None:
         mx.random.seed(0)
-        model = llama.LlamaModel(llama.ModelArgs.from_dict({"vocab_size": VOCAB, **body}))
+        model = llama.LlamaModel(llama.ModelArgs.from_dict({"vocab_size": vocab, **body}))
         weights |= {f"body.{k}": v for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "mlx"})
+    return out
+
+
+def build_noise(out: Path, family: str) -> Path:
+    """A random-weight tiny llama served with a family's tokenizer and template:
+    its free text is noise, so only a constraint makes it call a tool."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    specials, ends, _ = _tokenizer(out, family)
+    config = {**CONFIGS["llama"], "vocab_size": 256 + len(specials),
+              "max_position_embeddings": CONTEXT,
+              "eos_token_id": [256 + specials.index(e) for e in ends]}  # fmt: skip
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    seed = sum(family.encode())
+    mx.save_safetensors(str(out / "model.safetensors"), _weights(model, seed), {"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
     return out
 
 
@@ -69,8 +102,10 @@ def main() -> None:
     parser.add_argument("--script", type=Path, required=True, help="the script (JSON)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--body", action="store_true", help="a tiny llama's cost (BODY)")
+    parser.add_argument("--family", choices=sorted(FIXTURES), help="a tool-call family's template")
     args = parser.parse_args()
-    print(build(args.out, json.loads(args.script.read_text()), BODY if args.body else None))
+    script = json.loads(args.script.read_text())
+    print(build(args.out, script, BODY if args.body else None, args.family))
 
 
 if __name__ == "__main__":

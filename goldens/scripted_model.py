@@ -30,7 +30,9 @@ No ``from __future__ import annotations``: mlx-lm runs this file as a module it
 does not register, and dataclasses then cannot resolve string annotations.
 """
 
+import contextlib
 import hashlib
+import itertools
 import json
 import re
 from collections import OrderedDict
@@ -56,16 +58,65 @@ class ModelArgs(BaseModelArgs):
     max_position_embeddings: int
     specials: list = field(default_factory=list)  # the tokens after the 256 bytes, in id order
     script: str = "script.json"
-    # chatml, as the served template writes it
-    turn_start: str = "<|im_start|>"
-    turn_end: str = "<|im_end|>"
-    call: str = "<tool_call>\n{call}\n</tool_call>"
-    result_open: str = "<tool_response>\n"
-    result_close: str = "\n</tool_response>"
+    dialect: str = "chatml"  # how the served template writes turns, and the model answers
     # A llama's config (hidden size, layers, heads...): a real transformer runs
     # beside the script over the same tokens, its output unused but computed, so
     # prefill and decode cost what such a model's do (benchmarks). None: no cost.
     body: dict | None = None
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How one family's template writes a conversation, read back: where a
+    message starts (``message``, a regex whose group 1, where it has one, names
+    the role; else ``roles`` maps the marker), what ends one (``ends``), a tool
+    result inside a message (``result``), and where an answer starts
+    (``generation``, the generation prompt). Specials in the patterns are
+    single characters by the time they are compiled (see :meth:`Script.pattern`)."""
+
+    message: str
+    ends: tuple
+    generation: str
+    result: str = ""
+    roles: tuple = ()  # (marker, role) pairs for markers that are the role
+
+
+ROLE_NAMES = {"ai": "assistant", "ipython": "tool", "observation": "tool"}
+DIALECTS = {
+    "chatml": Dialect(r"<|im_start|>([a-z_]*)\n?", ("<|im_end|>",), r"<|im_start|>assistant\n",
+                      r"<tool_response>\n?(.*?)\n?</tool_response>"),
+    "qwen3": Dialect(r"<|im_start|>([a-z_]*)\n?", ("<|im_end|>",),
+                     r"<|im_start|>assistant\n(?:<think>\n\n</think>\n\n)?",
+                     r"<tool_response>\n?(.*?)\n?</tool_response>"),
+    "harmony": Dialect(r"<|start|>([^\ue000-\uefff]*?)(?:<|channel|>[^\ue000-\uefff]*)?"
+                       r"<|message|>",
+                       ("<|end|>", "<|call|>", "<|return|>"), r"<|start|>assistant"),
+    "llama3": Dialect(r"<|start_header_id|>(\w+)<|end_header_id|>\n\n",
+                      ("<|eot_id|>", "<|eom_id|>"),
+                      r"<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    "deepseek": Dialect(r"(<｜User｜>|<｜Assistant｜>|<｜tool▁output▁begin｜>)",
+                        ("<｜end▁of▁sentence｜>", "<｜tool▁output▁end｜>"),
+                        r"<｜Assistant｜>(?:</think>|<think>)?|<｜tool▁output▁end｜>",
+                        roles=(("<｜User｜>", "user"), ("<｜Assistant｜>", "assistant"),
+                               ("<｜tool▁output▁begin｜>", "tool"))),
+    "mistral": Dialect(r"([INST]|[/INST]|[TOOL_RESULTS]|[/TOOL_RESULTS]|[SYSTEM_PROMPT])",
+                       ("</s>", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]"),
+                       r"[/INST]|[/TOOL_RESULTS]",
+                       roles=(("[INST]", "user"), ("[/INST]", "assistant"),
+                              ("[TOOL_RESULTS]", "tool"), ("[/TOOL_RESULTS]", "assistant"),
+                              ("[SYSTEM_PROMPT]", "system"))),
+    "glm": Dialect(r"(<|system|>|<|user|>|<|assistant|>|<|observation|>)\n?", ("<|endoftext|>",),
+                   r"<|assistant|>(?:\n<think></think>)?",
+                   r"<tool_response>\n?(.*?)\n?</tool_response>",
+                   roles=(("<|system|>", "system"), ("<|user|>", "user"),
+                          ("<|assistant|>", "assistant"), ("<|observation|>", "tool"))),
+    "kimi": Dialect(r"(?:<|im_system|>|<|im_user|>|<|im_assistant|>)(\w+)<|im_middle|>",
+                    ("<|im_end|>",),
+                    r"<|im_assistant|>assistant<|im_middle|>", r"## Return of \S*?(?:\\n|\n)(.*)"),
+    "minimax": Dialect(r"]~b](\w+)\n", ("[e~[",), r"]~b]ai\n(?:<think>\n)?",
+                       r"<response>(.*?)</response>"),
+}  # fmt: skip
+DIALECTS["qwen3_coder"] = DIALECTS["chatml"]  # the template writes turns as chatml does
 
 
 @dataclass
@@ -75,16 +126,25 @@ class Conversation:
 
     turns: list
 
-    def last_result(self) -> bytes:
-        results = [c for role, c in self.turns if role == b"tool"]
-        return results[-1].strip().split(b"\n")[0][:200] if results else b""
+    def last_result(self) -> str:
+        results = [c for role, c in self.turns if role == "tool"]
+        if not results:
+            return ""
+        text = results[-1].strip()
+        if text.startswith('"'):  # templates that write a result as JSON text (Harmony, Llama 3)
+            with contextlib.suppress(ValueError):
+                text = json.loads(text)
+        return str(text).strip().split("\n")[0][:200]
 
-    def answered(self, when: bytes) -> int | None:
-        """How many assistant turns follow the first user message holding
-        ``when``; None where none holds it."""
+    def answered(self, when: str) -> int | None:
+        """How many answers (runs of assistant messages) follow the first user
+        message holding ``when``; None where none holds it."""
         for i, (role, content) in enumerate(self.turns):
-            if role == b"user" and when in content:
-                return sum(r == b"assistant" for r, _ in self.turns[i + 1 :])
+            if role == "user" and when in content:
+                later = [r for r, _ in self.turns[i:]]
+                return sum(
+                    a != "assistant" and b == "assistant" for a, b in itertools.pairwise(later)
+                )
         return None
 
 
@@ -93,76 +153,241 @@ class Script:
         self.args = args
         self.rules = rules.get("rules", [])
         self.default = rules.get("default", {"text": "ok"})
-        self.start = args.specials.index(args.turn_start) + 256
-        self.end = args.specials.index(args.turn_end) + 256
+        self.dialect = DIALECTS[args.dialect]
+        # Each special is one private-use character in the text the script reads.
+        self.chars = {tok: chr(0xE000 + i) for i, tok in enumerate(args.specials)}
+        self.specials = re.compile("|".join(map(re.escape, sorted(self.chars, key=len)[::-1])))
+        self.message = self.pattern(self.dialect.message)
+        self.generation = self.pattern(self.dialect.generation)
+        self.ends = [self.chars.get(e, e) for e in self.dialect.ends]
+        self.result = re.compile(self.dialect.result, re.S) if self.dialect.result else None
+        self.roles = {self.chars.get(m, m): r for m, r in self.dialect.roles}
+        ends = [args.specials.index(e) + 256 for e in self.dialect.ends if e in args.specials]
+        self.end = ends[0]
         self.plans: OrderedDict[bytes, np.ndarray] = OrderedDict()
 
-    def decode(self, ids: np.ndarray) -> bytes:
-        out, last = [], 0
-        for i in np.flatnonzero(ids >= 256):
-            out.append(ids[last:i].astype(np.uint8).tobytes())
-            out.append(self.args.specials[int(ids[i]) - 256].encode())
-            last = i + 1
-        out.append(ids[last:].astype(np.uint8).tobytes())
-        return b"".join(out)
+    def pattern(self, regex: str) -> re.Pattern:
+        return re.compile(
+            self.specials.sub(lambda m: re.escape(self.chars[m.group()]), regex), re.S
+        )
 
-    def read(self, prompt: bytes) -> Conversation:
-        start, end = self.args.turn_start.encode(), self.args.turn_end.encode()
-        opened, closed = self.args.result_open.encode(), self.args.result_close.encode()
+    def text(self, ids: np.ndarray) -> str:
+        """One character per id: bytes as latin-1, specials as private-use."""
+        wide = np.where(ids >= 256, ids - 256 + 0xE000, ids).astype("<u4")
+        return wide.tobytes().decode("utf-32-le")
+
+    def plain(self, text: str) -> str:
+        """The UTF-8 text a stretch of :meth:`text` stands for."""
+        out, specials = [], {c: t for t, c in self.chars.items()}
+        for part in re.split("([\ue000-\uefff])", text):
+            out.append(specials.get(part) or part.encode("latin-1").decode("utf-8", "replace"))
+        return "".join(out)
+
+    def read(self, text: str) -> Conversation:
+        marks = list(self.message.finditer(text))
         turns = []
-        for chunk in prompt.split(start)[1:]:
-            # The role, then a newline that a template's ``{%-`` may have eaten.
-            role = re.match(rb"[a-z_]*", chunk).group()
-            content = chunk[len(role) :].removeprefix(b"\n").split(end)[0]
-            if role == b"user" and opened in content:
-                role, content = b"tool", content.split(opened)[-1].split(closed)[0]
+        for i, mark in enumerate(marks):
+            stop = marks[i + 1].start() if i + 1 < len(marks) else len(text)
+            content = text[mark.end() : stop]
+            for end in self.ends:
+                content = content.split(end)[0]
+            role = mark.group(1) if mark.re.groups else mark.group()
+            role = self.roles.get(role) or ROLE_NAMES.get(role) or role.split()[0] if role else ""
+            role = "tool" if role.startswith("functions.") else role
+            content = self.plain(content)
+            found = self.result.search(content) if self.result else None
+            if found and role in ("user", "tool"):
+                role, content = "tool", found.group(1)
             turns.append((role, content))
         return Conversation(turns)
 
-    def answer(self, conversation: Conversation) -> bytes:
+    def answer(self, conversation: Conversation, opened: bool) -> str:
         """The first rule whose ``when`` a user message holds answers with the
-        turn the conversation is at (the last one once past them all)."""
+        turn the conversation is at (the last one once past them all), in the
+        dialect's own markup, its end token last."""
         turn = self.default
         for rule in self.rules:
-            done = conversation.answered(rule["when"].encode())
+            done = conversation.answered(rule["when"])
             if done is not None:
                 turn = rule["turns"][min(done, len(rule["turns"]) - 1)]
                 break
-        result = conversation.last_result().decode(errors="replace")
-        text = turn.get("text", "").replace("{last_result}", result)
-        calls = [self.args.call.replace("{call}", json.dumps(c)) for c in turn.get("calls", [])]
-        return (text + "".join(calls)).encode()  # as the template joins them
+        text = turn.get("text", "").replace("{last_result}", conversation.last_result())
+        return WRITERS[self.args.dialect](turn.get("reasoning", ""), text, turn.get("calls", []),
+                                          opened)  # fmt: skip
 
-    def plan(self, prompt: np.ndarray) -> np.ndarray:
+    def ids(self, answer: str) -> np.ndarray:
+        out, last = [], 0
+        for m in self.specials.finditer(answer):
+            out.extend(answer[last : m.start()].encode())
+            out.append(256 + self.args.specials.index(m.group()))
+            last = m.end()
+        out.extend(answer[last:].encode())
+        return np.array(out, np.int64)
+
+    def plan(self, prompt: np.ndarray, header: str) -> np.ndarray:
         """The ids of the whole answer (end token last) to the conversation
-        ``prompt`` ends in, from the last turn start on."""
-        key = hashlib.sha1(prompt.tobytes()).digest()
+        ``prompt`` (ending where the generation prompt ``header`` starts)."""
+        key = hashlib.sha1(prompt.tobytes()).digest() + header.encode("utf-8", "replace")
         if key not in self.plans:
-            said = np.frombuffer(self.answer(self.read(self.decode(prompt))), np.uint8)
-            self.plans[key] = np.append(said.astype(np.int64), self.end)
+            opened = self.chars.get("<think>", "\0") in header
+            said = self.answer(self.read(self.text(prompt)), opened)
+            self.plans[key] = self.ids(said)
             while len(self.plans) > 64:
                 self.plans.popitem(last=False)
         self.plans.move_to_end(key)
         return self.plans[key]
 
     def next_all(self, row: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """The next token after ``row[: end + 1]`` for each of ``ends``: where
-        the last turn there is an open assistant turn, the answer's next byte;
-        otherwise the end token. One plan per turn the queries are in."""
+        """The next token after ``row[: end + 1]`` for each of ``ends``: inside an
+        answer, its next token; otherwise the end token. Queries are grouped by
+        the last generation prompt before them; the earliest of the last few whose
+        answer is what follows it is the one being written (Harmony writes
+        ``<|start|>assistant`` inside an answer)."""
         out = np.full(len(ends), self.end, np.int64)
-        starts = np.flatnonzero(row == self.start)
-        header = np.frombuffer(b"assistant\n", np.uint8)
-        last = np.searchsorted(starts, ends, side="right") - 1
+        heads = list(self.generation.finditer(self.text(row)))
+        if not heads:
+            return out
+        stops = np.array([h.end() for h in heads])
+        last = np.searchsorted(stops, ends + 1, side="right") - 1
         for i in np.unique(last[last >= 0]):
-            s = starts[i]
-            if not np.array_equal(row[s + 1 : s + 1 + len(header)], header):
-                continue
-            plan = self.plan(row[:s])
             queries = np.flatnonzero(last == i)
-            said = ends[queries] - s - len(header)  # answer tokens already there
-            ok = (said >= 0) & (said < len(plan))
+            e = int(ends[queries].min())  # later queries may read drafts, right or wrong
+            found = None
+            for h in reversed(heads[max(0, i - 3) : i + 1]):  # an answer holds a few at most
+                plan = self.plan(row[: h.start()], h.group())
+                said = row[h.end() : e + 1]
+                if len(said) < len(plan) and np.array_equal(plan[: len(said)], said):
+                    found = (plan, h.end())
+            if found is None:
+                continue
+            plan, start = found
+            written = row[start : int(ends[queries].max()) + 1][: len(plan)]
+            wrong = np.flatnonzero(written != plan[: len(written)])
+            right = wrong[0] if len(wrong) else len(written)  # the answer as written, so far
+            said = ends[queries] + 1 - start
+            ok = (said >= 0) & (said < len(plan)) & (said <= right)
             out[queries[ok]] = plan[said[ok]]
         return out
+
+
+def _value(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def _chatml(reasoning: str, text: str, calls: list, opened: bool) -> str:
+    think = f"<think>\n{reasoning}\n</think>\n\n" if reasoning else ""
+    return (
+        think
+        + text
+        + "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+        + "<|im_end|>"
+    )
+
+
+def _qwen3_coder(reasoning: str, text: str, calls: list, opened: bool) -> str:
+    think = f"<think>\n{reasoning}\n</think>\n\n" if reasoning else ""
+    blocks = [
+        "<tool_call>\n<function={}>\n{}</function>\n</tool_call>".format(
+            c["name"],
+            "".join(
+                f"<parameter={k}>\n{_value(v)}\n</parameter>\n" for k, v in c["arguments"].items()
+            ),
+        )
+        for c in calls
+    ]
+    return think + text + ("\n\n" if text and calls else "") + "\n".join(blocks) + "<|im_end|>"
+
+
+def _glm(reasoning: str, text: str, calls: list, opened: bool) -> str:
+    think = f"\n<think>{reasoning}</think>" if reasoning else ""
+    blocks = [
+        "<tool_call>{}\n{}</tool_call>".format(
+            c["name"],
+            "".join(
+                f"<arg_key>{k}</arg_key>\n<arg_value>{_value(v)}</arg_value>\n"
+                for k, v in c["arguments"].items()
+            ),
+        )
+        for c in calls
+    ]
+    end = "<|observation|>" if calls else "<|user|>"
+    return think + ("\n" + text if text else "") + "".join("\n" + b for b in blocks) + end
+
+
+def _minimax(reasoning: str, text: str, calls: list, opened: bool) -> str:
+    think = (
+        (f"{reasoning}\n</think>\n\n" if opened else f"<think>\n{reasoning}\n</think>\n\n")
+        if reasoning
+        else ("</think>\n\n" if opened else "")
+    )
+    invokes = "".join(
+        '<invoke name="{}">\n{}</invoke>\n'.format(
+            c["name"],
+            "".join(
+                f'<parameter name="{k}">{_value(v)}</parameter>\n'
+                for k, v in c["arguments"].items()
+            ),
+        )
+        for c in calls
+    )
+    block = f"\n<minimax:tool_call>\n{invokes}</minimax:tool_call>" if calls else ""
+    return think + text + block + "[e~["
+
+
+def _kimi(reasoning: str, text: str, calls: list, opened: bool) -> str:
+    think = f"<think>{reasoning}</think>" if reasoning else ""
+    block = "".join(
+        f"<|tool_call_begin|>functions.{c['name']}:{i}<|tool_call_argument_begin|>"
+        f"{json.dumps(c['arguments'])}<|tool_call_end|>"
+        for i, c in enumerate(calls)
+    )
+    block = f"<|tool_calls_section_begin|>{block}<|tool_calls_section_end|>" if calls else ""
+    return think + text + block + "<|im_end|>"
+
+
+def _deepseek(reasoning: str, text: str, calls: list, opened: bool) -> str:
+    think = f"{reasoning}</think>" if opened else ""
+    block = "".join(
+        f"<｜tool▁call▁begin｜>{c['name']}<｜tool▁sep｜>{json.dumps(c['arguments'])}"
+        "<｜tool▁call▁end｜>"
+        for c in calls
+    )
+    block = f"<｜tool▁calls▁begin｜>{block}<｜tool▁calls▁end｜>" if calls else ""
+    return think + text + block + "<｜end▁of▁sentence｜>"
+
+
+def _mistral(reasoning: str, text: str, calls: list, opened: bool) -> str:
+    think = f"[THINK]{reasoning}[/THINK]" if reasoning else ""
+    block = "".join(f"[TOOL_CALLS]{c['name']}[ARGS]{json.dumps(c['arguments'])}" for c in calls)
+    return think + text + block + "</s>"
+
+
+def _llama3(reasoning: str, text: str, calls: list, opened: bool) -> str:
+    if calls:
+        return (
+            "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls)
+            + "<|eot_id|>"
+        )
+    return text + "<|eot_id|>"
+
+
+def _harmony(reasoning: str, text: str, calls: list, opened: bool) -> str:
+    """A call ends a Harmony answer (``<|call|>`` is an end token): one a turn."""
+    out = f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant" if reasoning else ""
+    if calls:
+        if text:
+            out += f"<|channel|>commentary<|message|>{text}<|end|><|start|>assistant"
+        c = calls[0]
+        return (
+            out + f" to=functions.{c['name']}<|channel|>commentary json<|message|>"
+            f"{json.dumps(c['arguments'])}<|call|>"
+        )
+    return out + f"<|channel|>final<|message|>{text}<|return|>"
+
+
+WRITERS = {"chatml": _chatml, "qwen3": _chatml, "qwen3_coder": _qwen3_coder, "glm": _glm,
+           "minimax": _minimax, "kimi": _kimi, "deepseek": _deepseek, "mistral": _mistral,
+           "llama3": _llama3, "harmony": _harmony}  # fmt: skip
 
 
 class Model(nn.Module):

@@ -10,6 +10,7 @@ import attrs
 
 from ..budget import LayerCost, probe
 from ..errors import InvalidRequest
+from ..families import family_of
 from ..ranks import SharedInputs, sharded_load
 from ..step import ragged
 from ..step.drafting import DraftModel
@@ -83,11 +84,21 @@ def load_model(
         cache_kinds=tuple(type(c).__name__ for c in caches),
         kv_costs=probe(model),
         weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
-        think=(tokenizer.think_start, tokenizer.think_end)
-        if getattr(tokenizer, "has_thinking", False)
-        else None,
+        think=thinking_markers(tokenizer),
     )
     return model, tokenizer, info
+
+
+def thinking_markers(tokenizer: Any) -> tuple[str, str] | None:
+    """The reasoning markers: mlx-lm's (``<think>`` and kin, found in the vocabulary),
+    else the model family's where its tokenizer holds them (Mistral's ``[THINK]``)."""
+    if getattr(tokenizer, "has_thinking", False):
+        return tokenizer.think_start, tokenizer.think_end
+    family = family_of(tokenizer)
+    vocab = tokenizer.get_vocab() if family and family.think else {}
+    if family and family.think and all(m in vocab for m in family.think):
+        return family.think
+    return None
 
 
 def _check_model_file(path: Path | str, trusted: bool) -> None:

@@ -149,7 +149,7 @@ def _message(i: int, m: Any) -> list[dict]:
         return [{"role": m["role"], "content": content}]
     if not isinstance(content, list):
         raise bad(f"messages[{i}].content must be a string or a list of blocks", "messages")
-    text, calls, results = [], [], []
+    text, calls, results, thought = [], [], [], []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, Mapping) else None
         where = f"messages[{i}].content[{j}]"
@@ -163,9 +163,13 @@ def _message(i: int, m: Any) -> list[dict]:
             body = _result_text(block.get("content", ""), where)
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                             "content": body})  # fmt: skip
-        elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
-            continue  # earlier reasoning is not fed back
-        elif kind in _SERVER_BLOCKS or kind == "search_result":
+        elif kind == "thinking" and m["role"] == "assistant":
+            thought.append(str(block.get("thinking", "")))  # the template keeps or drops it
+        elif (
+            (kind == "redacted_thinking" and m["role"] == "assistant")
+            or kind in _SERVER_BLOCKS
+            or kind == "search_result"
+        ):
             continue
         elif kind in ("image", "document"):
             raise bad(
@@ -178,6 +182,8 @@ def _message(i: int, m: Any) -> list[dict]:
         out.append({"role": "assistant", "content": "".join(text), "tool_calls": calls})
     elif text or not results:
         out.append({"role": m["role"], "content": "".join(text)})
+    if thought and out and out[-1]["role"] == "assistant":
+        out[-1]["reasoning_content"] = "".join(thought)
     return out
 
 
@@ -405,7 +411,6 @@ class StreamShaper(Shaper):
             out += sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
             out += sse("message_stop", {"type": "message_stop"})
         return out
-
 
     def failed(self, event: Event) -> bytes:
         err = ApiError(500, event.error or "the request was cancelled")

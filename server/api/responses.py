@@ -84,10 +84,14 @@ def _items(items: Any, aliases: Mapping[tuple[str, str], str]) -> list[dict]:
     if not isinstance(items, list) or not items:
         raise bad("'input' must be a string or a non-empty list of items", "input")
     out: list[dict] = []
+    thought = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(items):
         if not isinstance(item, Mapping):
             raise bad(f"input[{i}] must be an object", "input")
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            thought = _reasoning_text(item)
+            continue
         if kind == "message":
             role = {"developer": "system"}.get(item.get("role"), item.get("role"))
             if role not in ("user", "assistant", "system"):
@@ -106,14 +110,27 @@ def _items(items: Any, aliases: Mapping[tuple[str, str], str]) -> list[dict]:
             output = item.get("output")
             text = output if isinstance(output, str) else json.dumps(output)
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
-        elif kind == "reasoning" or kind in _HOSTED_ITEMS:
-            continue  # earlier reasoning, and hosted tools' own turns, are not fed back
+        elif kind in _HOSTED_ITEMS:
+            continue  # hosted tools' own turns are not fed back
         elif kind == "item_reference":
             raise bad(f"input[{i}]: item_reference needs stored items; this server keeps "
                       "none: send the item itself", "input")  # fmt: skip
         else:
             raise bad(f"input[{i}]: item type {kind!r} is not supported", "input")
+        if thought and _opens_turn(item):
+            out[-1]["reasoning_content"], thought = thought, None
     return out
+
+
+def _reasoning_text(item: Mapping[str, Any]) -> str:
+    """A reasoning item's text (its content, else its summary)."""
+    parts = item.get("content") or item.get("summary") or []
+    return "".join(str(p.get("text", "")) for p in parts if isinstance(p, Mapping))
+
+
+def _opens_turn(item: Mapping[str, Any]) -> bool:
+    """Whether ``item`` is an assistant turn's first item (its reasoning goes there)."""
+    return item.get("type") == "function_call" or item.get("role") == "assistant"
 
 
 _HOSTED_ITEMS = ("web_search_call", "file_search_call", "computer_call", "image_generation_call",
@@ -231,6 +248,11 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict:
             "content": content}  # fmt: skip
 
 
+def _reasoning(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+
+
 def _call(
     item_id: str, call: Any, arguments: str, names: Mapping, status: str = "completed"
 ) -> dict:
@@ -274,6 +296,8 @@ def _choice_body(choice: Any) -> Any:
 
 def full_output(result: Result, names: Mapping) -> list[dict]:
     out = []
+    if result.reasoning:
+        out.append(_reasoning(_new("rs"), result.reasoning))
     if result.text:
         out.append(_message(_new("msg"), result.text))
     for call in result.tool_calls:
@@ -292,6 +316,7 @@ class StreamShaper(Shaper):
     seq: int = 0
     output: list[dict] = attrs.field(factory=list)
     text_item: dict | None = None  # the message item open now
+    thought: dict | None = None  # the reasoning item open now
 
     def _event(self, kind: str, **body: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.seq, **body}
@@ -303,6 +328,31 @@ class StreamShaper(Shaper):
         return self._event("response.created", response=snapshot) + self._event(
             "response.in_progress", response=snapshot
         )
+
+    def _reason(self, text: str) -> bytes:
+        """Reasoning text, into the reasoning item (opened on its first text)."""
+        out, index = b"", len(self.output)
+        if self.thought is None:
+            out += self._close_text()
+            index = len(self.output)
+            self.thought = _reasoning(_new("rs"), "", status="in_progress")
+            out += self._event("response.output_item.added", output_index=index,
+                               item=self.thought)  # fmt: skip
+        self.thought["content"][0]["text"] += text
+        return out + self._event("response.reasoning_text.delta", item_id=self.thought["id"],
+                                 output_index=index, content_index=0, delta=text)  # fmt: skip
+
+    def _close_reasoning(self) -> bytes:
+        item, self.thought = self.thought, None
+        if item is None:
+            return b""
+        index, text = len(self.output), item["content"][0]["text"]
+        done = _reasoning(item["id"], text)
+        self.output.append(done)
+        return self._event(
+            "response.reasoning_text.done", item_id=item["id"], output_index=index,
+            content_index=0, text=text,
+        ) + self._event("response.output_item.done", output_index=index, item=done)  # fmt: skip
 
     def _close_text(self) -> bytes:
         item, self.text_item = self.text_item, None
@@ -321,7 +371,9 @@ class StreamShaper(Shaper):
         )  # fmt: skip
 
     def event(self, event: Event) -> bytes:
-        out = b""
+        out = self._reason(event.reasoning) if event.reasoning else b""
+        if event.text or event.tool_calls or event.terminal:
+            out += self._close_reasoning()
         index = len(self.output)
         if event.text:
             if self.text_item is None:
@@ -364,7 +416,7 @@ class StreamShaper(Shaper):
         """As OpenAI's: an ``error`` event, then ``response.failed`` with the error."""
         message = event.error or "the request was cancelled"
         code = "server_error" if event.finish_reason is FinishReason.ERROR else "cancelled"
-        out = self._close_text()
+        out = self._close_reasoning() + self._close_text()
         final = response_body(self.id, self.model, self.parsed, self.output, event)
         final.update(status="failed", error={"code": code, "message": message})
         out += self._event("error", code=code, message=message, param=None)

@@ -1,0 +1,552 @@
+"""Tool-call families: each model family's own call markup, read and constrained.
+
+A family is known by its chat template (:func:`family_of`). For each, the text
+a model writes is cut into *blocks* between the family's ``open`` and ``close``
+markers (a ``close`` of ``""``: a block runs to the next ``open`` or to the end
+of the answer), and a block's calls are read by ``parse`` into ``(name,
+arguments)``, the arguments as JSON text: written through verbatim where the
+model wrote JSON, made from the values where it wrote XML. A family's ``grammar``
+is the llguidance lark grammar that ``tool_choice: required`` or a named function
+holds the answer to: its own markup, with its markers as the special tokens they
+are, and the tools' schemas in the arguments; so a model keeps the syntax it was
+trained on.
+
+=============  ==============================================  ==============
+family         a call                                          parser
+=============  ==============================================  ==============
+hermes         ``<tool_call>{"name":..,"arguments":..}</tool_call>``  ours
+qwen3_coder    ``<tool_call><function=N><parameter=K>V</parameter>``  mlx-lm's
+glm            ``<tool_call>N<arg_key>K</arg_key><arg_value>V..``     mlx-lm's
+minimax        ``<minimax:tool_call><invoke name="N"><parameter..``   mlx-lm's
+kimi           ``<|tool_call_begin|>functions.N:0<|tool_call_argument_begin|>{}``  ours
+deepseek       ``tool call begin``, N, ``tool sep``, ``{}`` (fullwidth-bar tokens)  ours
+mistral        ``[TOOL_CALLS]N[ARGS]{}``                                ours
+llama3         the whole answer: ``{"name": N, "parameters": {}}``    ours
+harmony        ``<|start|>assistant to=functions.N<|channel|>commentary json<|message|>{}``
+=============  ==============================================  ==============
+
+Harmony (gpt-oss) is a stream of channel messages rather than tagged blocks:
+:class:`HarmonySplitter` reads it whole (analysis is reasoning, final and plain
+commentary are content, a message to ``functions.N`` is a call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+Parsed = list[tuple[str, Any]]  # (name, arguments: JSON text, or a value to write as JSON)
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+DECODER = json.JSONDecoder(parse_constant=_not_json)  # strict: no NaN, no Infinity
+
+
+def json_object_at(text: str, at: int = 0) -> tuple[str, int]:
+    """The JSON object starting at ``text[at:]`` (leading whitespace skipped),
+    as the model wrote it, and where it ends; ValueError where there is none."""
+    start = len(text) - len(text[at:].lstrip())
+    value, end = DECODER.raw_decode(text, start)
+    if not isinstance(value, dict):
+        raise ValueError("the arguments are not a JSON object")
+    return text[start:end], end
+
+
+# -- parsers ------------------------------------------------------------------
+
+
+def _mlx_lm(module: str) -> Callable[[str, Sequence], Parsed]:
+    """mlx-lm's parser of that name: its one call or list of calls, as pairs."""
+
+    def parse(body: str, tools: Sequence) -> Parsed:
+        from importlib import import_module
+
+        found = import_module(f"mlx_lm.tool_parsers.{module}").parse_tool_call(body, list(tools))
+        found = found if isinstance(found, list) else [found]
+        return [(c["name"], c.get("arguments", {})) for c in found]
+
+    return parse
+
+
+def _parse_pairs(pattern: re.Pattern, name_of: Callable[[str], str]) -> Callable:
+    """Blocks holding one or more ``pattern`` matches, each (name part, JSON)."""
+
+    def parse(body: str, tools: Sequence) -> Parsed:
+        found = [(name_of(m.group(1)), _whole_json(m.group(2))) for m in pattern.finditer(body)]
+        if not found or pattern.sub("", body).strip():
+            raise ValueError("not a block of calls")
+        return found
+
+    return parse
+
+
+def _whole_json(text: str) -> str:
+    args, end = json_object_at(text)
+    if text[end:].strip():
+        raise ValueError("text after the arguments")
+    return args
+
+
+def _kimi_name(head: str) -> str:
+    match = re.fullmatch(r"\s*(?:functions\.)?(.+?):\d+\s*", head)
+    if match is None:
+        raise ValueError("not a Kimi call id")
+    return match.group(1)
+
+
+def _parse_mistral(body: str, tools: Sequence) -> Parsed:
+    """``NAME[ARGS]{...}`` (Devstral, Mistral Small 3.2), or the older list
+    ``[{"name": .., "arguments": {..}}]``."""
+    if body.lstrip().startswith("["):
+        return _parse_objects(body, "arguments", separators="[],")
+    match = re.match(r"\s*([\w.-]+)\s*\[ARGS\]", body)
+    if match is None:
+        raise ValueError("not a Mistral call")
+    return [(match.group(1), _whole_json(body[match.end() :]))]
+
+
+def _parse_objects(body: str, key: str, separators: str = ";") -> Parsed:
+    """JSON objects ``{"name": N, key: {..}}`` one after another (between them
+    only whitespace and ``separators``): their arguments as written."""
+    found, at = [], 0
+    text = body.strip()
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] in separators):
+            at += 1
+        if at == len(text):
+            break
+        whole, end = json_object_at(text, at)
+        obj = json.loads(whole)
+        name, args = obj.get("name"), obj.get(key, obj.get("arguments", {}))
+        extra = set(obj) - {"name", key, "arguments"}
+        if not isinstance(name, str) or not isinstance(args, dict) or extra:
+            raise ValueError("not a call object")
+        found.append((name, _value_text(whole, key if key in obj else "arguments")))
+        at = end
+    if not found:
+        raise ValueError("no call")
+    return found
+
+
+def _value_text(whole: str, key: str) -> str:
+    """The value of ``key`` in the JSON object ``whole``, as written."""
+    at = 1
+    while True:
+        k, at = DECODER.raw_decode(whole, len(whole) - len(whole[at:].lstrip()))
+        at = whole.index(":", at) + 1
+        start = len(whole) - len(whole[at:].lstrip())
+        _, end = DECODER.raw_decode(whole, start)
+        if k == key:
+            return whole[start:end]
+        at = whole.index(",", end) + 1
+
+
+def _parse_hermes(body: str, tools: Sequence) -> Parsed:
+    return _parse_objects(body, "arguments", separators="")
+
+
+def _parse_llama3(body: str, tools: Sequence) -> Parsed:
+    return _parse_objects(body, "parameters")
+
+
+# -- grammars -----------------------------------------------------------------
+
+Lit = Callable[[str], str]  # a marker as a lark terminal: its special token, or its text
+
+
+def _quoted(text: str) -> str:
+    return json.dumps(text)
+
+
+def _params(tool: Mapping) -> Mapping:
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def _json(schema: Mapping, spaced: bool = True) -> str:
+    flags = {"whitespace_flexible": False}
+    if spaced:  # as templates write earlier calls (``tojson``)
+        flags |= {"item_separator": ", ", "key_separator": ": "}
+    return f"%json {json.dumps({'x-guidance': flags, **schema})}"
+
+
+def _xml_params(tool: Mapping, one: Callable[[str, Mapping, bool], str]) -> str:
+    """A tool's parameters in XML, declared order, the optional ones optional."""
+    schema = _params(tool)
+    required = set(schema.get("required", ()))
+    props = schema.get("properties") or {}
+    parts = [
+        f"({one(k, s, k in required)})" + ("" if k in required else "?") for k, s in props.items()
+    ]
+    return " ".join(parts) or '""'
+
+
+def _regex(body: str) -> str:
+    """A lark regex literal of ``body`` (a Python regex)."""
+    return "/" + body.replace("/", "\\/") + "/"
+
+
+def _raw(schema: Mapping, until: str) -> str | None:
+    """A plain string value written raw, then ``until``: one lark regex (so the
+    value cannot swallow its closing text); None where the schema wants JSON."""
+    plain = {"type", "description", "minLength", "maxLength", "title"}
+    if schema.get("type") != "string" or set(schema) - plain:
+        return None
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    count = f"{{{lo},{hi}}}" if hi is not None else (f"{{{lo},}}" if lo else "*")
+    return _regex(f"[^<]{count}" + "".join("\\n" if c == "\n" else re.escape(c) for c in until))
+
+
+def _qwen3_coder(tools: Sequence, parallel: bool, lit: Lit) -> str:
+    def param(key: str, schema: Mapping, _: bool) -> str:
+        head = _quoted(f"<parameter={key}>\n")
+        raw = _raw(schema, "\n</parameter>\n")
+        return f"{head} {raw}" if raw else f'{head} {_json(schema)} "\\n</parameter>\\n"'
+
+    calls = [
+        f'{lit("<tool_call>")} "\\n<function={t["function"]["name"]}>\\n" '
+        f'{_xml_params(t, param)} "</function>\\n" {lit("</tool_call>")}'
+        for t in tools
+    ]
+    return _rules(calls, parallel, joiner='"\\n"')
+
+
+def _glm(tools: Sequence, parallel: bool, lit: Lit) -> str:
+    def param(key: str, schema: Mapping, _: bool) -> str:
+        head = f'{lit("<arg_key>")} {_quoted(key)} {lit("</arg_key>")} "\\n" {lit("<arg_value>")}'
+        value = _raw(schema, "") or _json(schema)
+        return f'{head} {value} {lit("</arg_value>")} "\\n"'
+
+    calls = [
+        f"{lit('<tool_call>')} {_quoted(t['function']['name'] + chr(10))} "
+        f"{_xml_params(t, param)} {lit('</tool_call>')}"
+        for t in tools
+    ]
+    return _rules(calls, parallel, joiner='"\\n"')
+
+
+def _minimax(tools: Sequence, parallel: bool, lit: Lit) -> str:
+    def param(key: str, schema: Mapping, _: bool) -> str:
+        head = _quoted(f'<parameter name="{key}">')
+        raw = _raw(schema, "</parameter>\n")
+        return f"{head} {raw}" if raw else f'{head} {_json(schema)} "</parameter>\\n"'
+
+    invokes = [
+        f"{_quoted(chr(10).join(['', f'<invoke name={_attr(t)}>', ''])[1:])} "
+        f'{_xml_params(t, param)} "</invoke>\\n"'
+        for t in tools
+    ]
+    more = "+" if parallel else ""
+    return (
+        f'start: {lit("<minimax:tool_call>")} "\\n" (invoke){more} {lit("</minimax:tool_call>")}\n'
+        f"invoke: {' | '.join(f'({i})' for i in invokes)}\n"
+    )
+
+
+def _attr(tool: Mapping) -> str:
+    return '"' + tool["function"]["name"] + '"'
+
+
+def _kimi(tools: Sequence, parallel: bool, lit: Lit) -> str:
+    calls = [
+        f"{lit('<|tool_call_begin|>')} {_quoted('functions.' + t['function']['name'] + ':')} "
+        f"{_regex('[0-9]{1,2}')} {lit('<|tool_call_argument_begin|>')} {_json(_params(t))} "
+        f"{lit('<|tool_call_end|>')}"
+        for t in tools
+    ]
+    more = "+" if parallel else ""
+    return (
+        f"start: {lit('<|tool_calls_section_begin|>')} (call){more} "
+        f"{lit('<|tool_calls_section_end|>')}\ncall: {' | '.join(f'({c})' for c in calls)}\n"
+    )
+
+
+def _deepseek(tools: Sequence, parallel: bool, lit: Lit) -> str:
+    calls = [
+        f"{lit('<｜tool▁call▁begin｜>')} {_quoted(t['function']['name'])} {lit('<｜tool▁sep｜>')} "
+        f"{_json(_params(t))} {lit('<｜tool▁call▁end｜>')}"
+        for t in tools
+    ]
+    more = "+" if parallel else ""
+    return (
+        f"start: {lit('<｜tool▁calls▁begin｜>')} (call){more} {lit('<｜tool▁calls▁end｜>')}\n"
+        f"call: {' | '.join(f'({c})' for c in calls)}\n"
+    )
+
+
+def _mistral(tools: Sequence, parallel: bool, lit: Lit) -> str:
+    calls = [
+        f"{lit('[TOOL_CALLS]')} {_quoted(t['function']['name'])} {lit('[ARGS]')} "
+        f"{_json(_params(t))}"
+        for t in tools
+    ]
+    return _rules(calls, parallel)
+
+
+def _llama3(tools: Sequence, parallel: bool, lit: Lit) -> str:
+    calls = [
+        _json(
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["function"]["name"]}, "parameters": _params(t)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+        for t in tools
+    ]
+    return _rules(calls, parallel, joiner='"; "')
+
+
+def _hermes(tools: Sequence, parallel: bool, lit: Lit) -> str:
+    calls = [
+        f'{lit("<tool_call>")} "\\n" '
+        + _json(
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["function"]["name"]}, "arguments": _params(t)},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+        + f' "\\n" {lit("</tool_call>")}'
+        for t in tools
+    ]
+    return _rules(calls, parallel, joiner='"\\n"')
+
+
+def _harmony(tools: Sequence, parallel: bool, lit: Lit) -> str:
+    """One call (a Harmony call ends the answer: ``<|call|>`` is an end token),
+    as the template writes one after the generation prompt's ``<|start|>assistant``."""
+    calls = [
+        f"{_quoted(' to=functions.' + t['function']['name'])} {lit('<|channel|>')} "
+        f'"commentary json" {lit("<|message|>")} {_json(_params(t))} {lit("<|call|>")}'
+        for t in tools
+    ]
+    return _rules(calls, False)
+
+
+def _rules(calls: Sequence[str], parallel: bool, joiner: str = "") -> str:
+    more = f"({joiner} call)*" if parallel else ""
+    return f"start: call {more}\ncall: {' | '.join(f'({c})' for c in calls)}\n"
+
+
+# -- the families -------------------------------------------------------------
+
+
+@attrs.frozen
+class Family:
+    name: str
+    open: str  # a block of calls opens with this (``""``: the whole answer is one)
+    close: str  # and closes with this (``""``: at the next ``open``, or the end)
+    parse: Callable[[str, Sequence], Parsed] = attrs.field(repr=False)
+    grammar: Callable[[Sequence, bool, Lit], str] = attrs.field(repr=False)
+    marks: tuple[str, ...] = ()  # all of these in a chat template: this family
+    think: tuple[str, str] | None = None  # reasoning markers the tokenizer may not name
+    # How the template wants earlier calls' arguments: as objects, or as text.
+    arguments_as_text: bool = False
+
+
+FAMILIES = (
+    Family("harmony", "", "", lambda b, t: [], _harmony, ("<|channel|>", "<|start|>functions.")),
+    Family(
+        "qwen3_coder",
+        "<tool_call>",
+        "</tool_call>",
+        _mlx_lm("qwen3_coder"),
+        _qwen3_coder,
+        ("<function=", "<parameter="),
+    ),
+    Family("glm", "<tool_call>", "</tool_call>", _mlx_lm("glm47"), _glm, ("<arg_key>",)),
+    Family(
+        "minimax",
+        "<minimax:tool_call>",
+        "</minimax:tool_call>",
+        _mlx_lm("minimax_m2"),
+        _minimax,
+        ("<minimax:tool_call>",),
+    ),
+    Family(
+        "kimi",
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        _parse_pairs(
+            re.compile(
+                r"<\|tool_call_begin\|>(.*?)<\|tool_call_argument_begin\|>"
+                r"(.*?)<\|tool_call_end\|>",
+                re.S,
+            ),
+            _kimi_name,
+        ),
+        _kimi,
+        ("<|tool_calls_section_begin|>",),
+    ),
+    Family(
+        "deepseek",
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁calls▁end｜>",
+        _parse_pairs(
+            re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.S),
+            str.strip,
+        ),
+        _deepseek,
+        ("<｜tool▁calls▁begin｜>",),
+        arguments_as_text=True,
+    ),
+    Family(
+        "mistral",
+        "[TOOL_CALLS]",
+        "",
+        _parse_mistral,
+        _mistral,
+        ("[TOOL_CALLS]",),
+        think=("[THINK]", "[/THINK]"),
+    ),
+    Family("llama3", "", "", _parse_llama3, _llama3, ("<|start_header_id|>", "ipython")),
+    Family(
+        "hermes",
+        "<tool_call>",
+        "</tool_call>",
+        _parse_hermes,
+        _hermes,
+        ("<tool_call>", "tool_call.name"),
+    ),
+)
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+@functools.lru_cache(maxsize=16)
+def family_for(template: str | None) -> Family | None:
+    """The family whose marks the chat template holds (None: a template without
+    tool markup of its own, served in the generic format)."""
+    if not isinstance(template, str):
+        return None
+    return next((f for f in FAMILIES if all(m in template for m in f.marks)), None)
+
+
+def family_of(tokenizer: Any) -> Family | None:
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        template = getattr(getattr(tokenizer, "_tokenizer", None), "chat_template", None)
+    return family_for(template if isinstance(template, str) else None)
+
+
+def literal(tokenizer: Any) -> Lit:
+    """Markers as lark terminals for this tokenizer: a marker that is one special
+    token is that token (a text literal would never match it: the model writes
+    the token, not its bytes), any other its text."""
+    added = {}
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    with contextlib.suppress(AttributeError):
+        added = {t.content: i for i, t in hf.added_tokens_decoder.items()}
+
+    def lit(marker: str) -> str:
+        return f"<[{added[marker]}]>" if marker in added else _quoted(marker)
+
+    return lit
+
+
+# -- Harmony --------------------------------------------------------------------
+
+_HEADER = re.compile(
+    r"^\s*(?:to=(?P<to>\S+?))?\s*(?:<\|channel\|>(?P<channel>\w+))?"
+    r"\s*(?:to=(?P<to2>\S+?))?\s*(?:<\|constrain\|>)?\s*(?P<kind>\w+)?\s*$",
+    re.S,
+)
+
+
+@attrs.define
+class HarmonySplitter:
+    """Splits a gpt-oss answer into content, reasoning and calls as it streams.
+    The answer is messages, each a header (``<|channel|>analysis``, ``
+    to=functions.N<|channel|>commentary json``...) then ``<|message|>`` and a
+    body to ``<|end|>`` (``<|call|>`` and ``<|return|>`` end the answer: they are
+    end tokens, never text). A header that never reaches ``<|message|>`` is
+    text, as is a body whose header has no channel."""
+
+    parse_call: Callable[[str, str], Any]  # (name, JSON body) -> a call, or None
+    text: str = ""
+    in_body: bool = False
+    channel: str | None = None
+    recipient: str | None = None
+    body: str = ""
+    calls: int = 0
+    cut: str | None = None
+
+    def feed(self, piece: str, *, final: bool = False, cut: bool = False) -> tuple[str, str, list]:
+        self.text += piece
+        content, reasoning, calls = [], [], []
+        while True:
+            if not self.in_body:
+                at = self.text.find("<|message|>")
+                if at < 0:
+                    if final:  # a header that never reached a body: text
+                        content.append(self.text)
+                        self.text = ""
+                    break
+                head, self.text = self.text[:at], self.text[at + len("<|message|>") :]
+                self._header(head.removeprefix("<|start|>"))
+                self.in_body = True
+            end = self.text.find("<|end|>")
+            if end < 0:
+                if not final:
+                    keep = _held("<|end|>", self.text)
+                    self._body(self.text[: len(self.text) - keep], content, reasoning)
+                    self.text = self.text[len(self.text) - keep :]
+                    break
+                self._body(self.text, content, reasoning)
+                self.text = ""
+                self._close(content, calls, cut)
+                break
+            self._body(self.text[:end], content, reasoning)
+            self.text = self.text[end + len("<|end|>") :].removeprefix("<|start|>")
+            self._close(content, calls, False)
+        return "".join(content), "".join(reasoning), calls
+
+    def _header(self, head: str) -> None:
+        match = _HEADER.match(head.removeprefix("assistant"))
+        self.channel = match.group("channel") if match else None
+        to = match and (match.group("to") or match.group("to2"))
+        self.recipient = to or None
+        self.body = ""
+
+    def _body(self, text: str, content: list, reasoning: list) -> None:
+        if self.recipient:
+            self.body += text  # a call's arguments: whole, at its end
+        elif self.channel == "analysis":
+            reasoning.append(text)
+        else:
+            content.append(text)
+
+    def _close(self, content: list, calls: list, cut: bool) -> None:
+        if self.recipient:
+            if cut:
+                self.cut = self.body
+            else:
+                name = self.recipient.removeprefix("functions.")
+                call = (
+                    self.parse_call(name, self.body)
+                    if self.recipient.startswith("functions.")
+                    else None
+                )
+                if call is None:
+                    content.append(self.body)
+                else:
+                    self.calls += 1
+                    calls.append(call)
+        self.in_body, self.channel, self.recipient, self.body = False, None, None, ""
+
+
+def _held(tag: str, text: str) -> int:
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0

@@ -1,0 +1,336 @@
+"""Tool calls and reasoning in each model family's own syntax, through a real server.
+
+Each family is served with its real chat template (``goldens/family_fixtures.py``:
+the publishers' templates as llama.cpp keeps them, from the llama-cpp-python
+source package) and a tokenizer holding its special tokens. A scripted model
+(``goldens/scripted_model.py`` in the family's dialect) writes the exact markup a
+model of that family writes: reasoning, text, 0, 1 or 3 calls. The matrix runs
+every case through the three APIs, streamed and not, with the official SDKs,
+and checks each call's arguments exactly, content free of markup, reasoning
+apart. Then, on a random-weight model with the same tokenizer, ``required`` calls
+are constrained to the family's own markup and parse every time; and bad markup
+stays text.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+import trio
+from conftest import GOLDENS, running_server
+
+sys.path.insert(0, str(GOLDENS))
+from family_fixtures import FIXTURES, fetch
+from make_scripted_model import build, build_noise
+from mlx_nursery.actors.families import BY_NAME, HarmonySplitter
+from mlx_nursery.actors.tools import ToolFormat, ToolScanner
+
+READ = {"type": "function", "function": {
+    "name": "Read", "description": "Read a file",
+    "parameters": {"type": "object", "properties": {
+        "path": {"type": "string", "maxLength": 12},
+        "limit": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["path"], "additionalProperties": False}}}  # fmt: skip
+GREP = {"type": "function", "function": {
+    "name": "Grep", "description": "Search files",
+    "parameters": {"type": "object", "properties": {
+        "pattern": {"type": "string", "maxLength": 12}, "recurse": {"type": "boolean"}},
+        "required": ["pattern", "recurse"], "additionalProperties": False}}}  # fmt: skip
+TOOLS = [READ, GREP]
+CALLS = [{"name": "Read", "arguments": {"path": "a.txt", "limit": 3}},
+         {"name": "Grep", "arguments": {"pattern": "TODO x", "recurse": True}},
+         {"name": "Read", "arguments": {"path": "b/c.py"}}]  # fmt: skip
+CASES = [(n, thinks) for n in (0, 1, 3) for thinks in (False, True)]
+MARKUP = ("<tool_call", "</tool_call", "<function=", "<parameter", "<arg_", "<invoke",
+          "minimax:", "<|", "<｜", "[TOOL_CALLS]", "[ARGS]", "<think>", "</think>",
+          "[THINK]", '"parameters"')  # fmt: skip
+
+
+def _when(n: int, thinks: bool) -> str:
+    return f"case {n} calls {'with' if thinks else 'without'} reasoning"
+
+
+def script() -> dict:
+    rules = []
+    for n, thinks in CASES:
+        turn = {"text": "Looking around." if n else "Nothing to call.", "calls": CALLS[:n]}
+        if thinks:
+            turn["reasoning"] = "Let me think."
+        rules.append({"when": _when(n, thinks), "turns": [turn]})
+    return {"rules": rules, "default": {"text": "ok"}}
+
+
+@pytest.fixture(scope="module")
+def templates():
+    found = fetch()
+    if found is None:
+        pytest.skip("the family templates could not be fetched (no package registry)")
+    return found
+
+
+def expected(family: str, n: int, thinks: bool) -> tuple[str, str, list]:
+    fixture = FIXTURES[family]
+    calls = CALLS[: min(n, 1 if not fixture.parallel else n)]
+    text = "Looking around." if n else "Nothing to call."
+    if family == "llama3" and calls:
+        text = ""  # a Llama 3 call is the whole answer
+    reasoning = "Let me think." if thinks and fixture.reasoning else ""
+    return text, reasoning, [(c["name"], c["arguments"]) for c in calls]
+
+
+# -- reading each API's answer back, as a client does ------------------------------
+
+
+def _extra(obj, name: str) -> str:
+    return (obj.model_extra or {}).get(name) or ""
+
+
+async def chat(client: openai.AsyncOpenAI, stream: bool, **body) -> tuple[str, str, list]:
+    if not stream:
+        msg = (await client.chat.completions.create(**body)).choices[0].message
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or ()]
+        return msg.content or "", _extra(msg, "reasoning_content"), calls
+    text, reasoning, calls = "", "", {}
+    async for chunk in await client.chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            reasoning += _extra(choice.delta, "reasoning_content")
+            for d in choice.delta.tool_calls or ():
+                call = calls.setdefault(d.index, ["", ""])
+                call[0] += d.function.name or ""
+                call[1] += d.function.arguments or ""
+    return text, reasoning, [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))]
+
+
+async def responses(client: openai.AsyncOpenAI, stream: bool, **body) -> tuple[str, str, list]:
+    body = {"model": body["model"], "input": body["messages"], "tools": [
+        {"type": "function", **t["function"]} for t in body["tools"]],
+        "max_output_tokens": body["max_tokens"]}  # fmt: skip
+    if not stream:
+        out = (await client.responses.create(**body)).output
+        text = "".join(p.text for i in out if i.type == "message" for p in i.content)
+        reasoning = "".join(c.text for i in out if i.type == "reasoning" for c in i.content or ())
+        calls = [(i.name, json.loads(i.arguments)) for i in out if i.type == "function_call"]
+        return text, reasoning, calls
+    text, reasoning, calls = "", "", []
+    async for event in await client.responses.create(**body, stream=True):
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        elif event.type == "response.reasoning_text.delta":
+            reasoning += event.delta
+        elif event.type == "response.output_item.done" and event.item.type == "function_call":
+            calls.append((event.item.name, json.loads(event.item.arguments)))
+    return text, reasoning, calls
+
+
+async def messages(client: anthropic.AsyncAnthropic, stream: bool, **body) -> tuple:
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in body["tools"]]  # fmt: skip
+    body = {"model": body["model"], "messages": body["messages"], "tools": tools,
+            "max_tokens": body["max_tokens"]}  # fmt: skip
+    if not stream:
+        blocks = (await client.messages.create(**body)).content
+    else:
+        async with client.messages.stream(**body) as s:
+            async for _ in s:
+                pass
+            blocks = (await s.get_final_message()).content
+    text = "".join(b.text for b in blocks if b.type == "text")
+    reasoning = "".join(b.thinking for b in blocks if b.type == "thinking")
+    return text, reasoning, [(b.name, b.input) for b in blocks if b.type == "tool_use"]
+
+
+def _clean(text: str) -> None:
+    for mark in MARKUP:
+        assert mark not in text, (mark, text)
+
+
+@pytest.mark.parametrize("family", sorted(FIXTURES))
+async def test_every_api_reads_the_familys_own_calls_and_reasoning(family, templates, tmp_path):
+    model = build(tmp_path / family, script(), family=family)
+    with trio.fail_after(600):
+        async with running_server(str(model), trust_remote_code=True,
+                                  prefill_step_size=512) as (url, _):  # fmt: skip
+            oa = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+            an = anthropic.AsyncAnthropic(base_url=url, api_key="unused")
+            for n, thinks in CASES:
+                want = expected(family, n, thinks)
+                body = {"model": family, "max_tokens": 400, "tools": TOOLS,
+                        "messages": [{"role": "user", "content": _when(n, thinks)}]}  # fmt: skip
+                for api, client in ((chat, oa), (responses, oa), (messages, an)):
+                    for stream in (False, True):
+                        got = await api(client, stream, **body)
+                        where = (family, api.__name__, stream, n, thinks)
+                        _clean(got[0]), _clean(got[1])
+                        assert got[2] == want[2], (where, got)
+                        assert (got[0].strip(), got[1].strip()) == want[:2], (where, got)
+            await oa.close()
+            await an.close()
+
+
+@pytest.mark.parametrize("family", sorted(FIXTURES))
+async def test_a_history_of_calls_results_and_reasoning_renders_in_the_template(
+    family, templates, tmp_path
+):
+    """A second turn: the assistant's calls (with its reasoning) and the tool
+    results are rendered back by the family's template, and the model, reading
+    them, answers with the result."""
+    rules = {"rules": [{"when": "go", "turns": [
+        {"reasoning": "Plan.", "text": "", "calls": CALLS[:1]},
+        {"text": "Got: {last_result}"}]}]}  # fmt: skip
+    model = build(tmp_path / family, rules, family=family)
+    with trio.fail_after(300):
+        async with running_server(str(model), trust_remote_code=True,
+                                  prefill_step_size=512) as (url, _):  # fmt: skip
+            oa = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+            ask = [{"role": "user", "content": "go"}]
+            first = (await oa.chat.completions.create(model=family, messages=ask, tools=TOOLS,
+                                                      max_tokens=300)).choices[0]  # fmt: skip
+            assert first.finish_reason == "tool_calls"
+            (call,) = first.message.tool_calls
+            turn = {"role": "assistant", "content": first.message.content,
+                    "reasoning_content": _extra(first.message, "reasoning_content") or None,
+                    "tool_calls": [call.model_dump()]}  # fmt: skip
+            result = {"role": "tool", "tool_call_id": call.id, "name": "Read",
+                      "content": "the file says hi\nmore"}  # fmt: skip
+            second = await oa.chat.completions.create(
+                model=family, messages=[*ask, turn, result], tools=TOOLS, max_tokens=300
+            )
+            assert second.choices[0].message.content.strip() == "Got: the file says hi"
+            assert second.choices[0].finish_reason == "stop"
+            await oa.close()
+
+
+@pytest.mark.parametrize("family", sorted(FIXTURES))
+async def test_required_calls_on_a_noise_model_parse_in_the_familys_syntax(
+    family, templates, tmp_path
+):
+    """A random-weight model under ``required`` (and a named function) writes the
+    family's own markup, with valid arguments, every one of twenty seeded runs."""
+    model = build_noise(tmp_path / family, family)
+    with trio.fail_after(600):
+        async with running_server(str(model), prefill_step_size=512) as (url, _):
+            oa = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+            for seed in range(20):
+                named = {"type": "function", "function": {"name": "Grep"}}
+                choice = named if seed % 4 == 3 else "required"
+                reply = await oa.chat.completions.create(
+                    model=family, messages=[{"role": "user", "content": "look"}], tools=TOOLS,
+                    tool_choice=choice, max_tokens=300, temperature=1.0, seed=seed,
+                    parallel_tool_calls=False,
+                )  # fmt: skip
+                answer = reply.choices[0]
+                assert answer.finish_reason == "tool_calls", (seed, answer.message)
+                for call in answer.message.tool_calls:
+                    tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
+                    assert choice == "required" or call.function.name == "Grep"
+                    args = json.loads(call.function.arguments)
+                    jsonschema.validate(args, tool["function"]["parameters"])
+            await oa.close()
+
+
+@pytest.mark.parametrize("family", sorted(FIXTURES))
+def test_the_required_grammar_accepts_what_the_familys_model_writes(family, templates, tmp_path):
+    """Three calls (one for Harmony) as the family's model writes them, token by
+    token, through the ``required`` grammar with parallel calls: every token is
+    allowed and the grammar ends complete."""
+    from llguidance import LLMatcher
+    from mlx_lm import load
+    from mlx_nursery.actors.constrain import compile_lark, ll_tokenizer
+    from mlx_nursery.actors.families import literal
+    from mlx_nursery.actors.tools import call_grammar
+    from scripted_model import WRITERS
+
+    path = build(tmp_path / family, script(), family=family)
+    model, tokenizer = load(str(path), trust_remote_code=True)
+    fixture = FIXTURES[family]
+    calls = CALLS if fixture.parallel else CALLS[:1]
+    written = WRITERS[fixture.dialect]("", "", calls, False).lstrip("\n")
+    ids = model.script.ids(written).tolist()
+    if ids[-1] in tokenizer.eos_token_ids and family != "harmony":
+        ids = ids[:-1]  # the end token: the grammar's end, not in it
+    ll = ll_tokenizer(tokenizer, 256 + len(fixture.specials))
+    fmt = ToolFormat(BY_NAME[family], True)
+    lark = call_grammar(TOOLS, "required", True, fmt, literal(tokenizer))
+    matcher = LLMatcher(ll, compile_lark(ll, lark, "tools"))
+    for i, token in enumerate(ids):
+        assert matcher.consume_token(token), (family, i, written, matcher.get_error())
+    assert matcher.is_accepting(), (family, written)
+
+
+# -- bad markup stays text -----------------------------------------------------------
+
+
+def scan(family: str, text: str, *, cut: bool = False, pieces: int = 1) -> tuple[str, list]:
+    """The text through a family's scanner in ``pieces`` parts, as the emitter feeds it."""
+    scanner = ToolScanner(ToolFormat(BY_NAME[family], True), TOOLS)
+    shown, calls, step = "", [], max(1, len(text) // pieces)
+    parts = [text[i : i + step] for i in range(0, len(text), step)] or [""]
+    for i, part in enumerate(parts):
+        out, found = scanner.feed(part, final=i == len(parts) - 1, cut=cut)
+        shown, calls = shown + out, calls + found
+    return shown, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+XML = ("<tool_call>\n<function=Read>\n<parameter=path>\na.txt\n</parameter>\n"
+       "<parameter=limit>\n3\n</parameter>\n</function>\n</tool_call>")  # fmt: skip
+
+
+@pytest.mark.parametrize("pieces", [1, 7, 200])
+def test_xml_calls_read_in_any_pieces(pieces):
+    assert scan("qwen3_coder", "Hi." + XML, pieces=pieces) == (
+        "Hi.",
+        [("Read", {"path": "a.txt", "limit": 3})],
+    )
+
+
+def test_bad_markup_stays_text():
+    truncated = XML[: XML.index("</function>")]
+    assert scan("qwen3_coder", "Hi." + truncated) == ("Hi." + truncated, [])  # ended inside
+    assert scan("qwen3_coder", "Hi." + truncated, cut=True) == ("Hi.", [])  # max_tokens: as today
+    wrong_type = XML.replace("\n3\n", "\nthree\n")
+    assert scan("qwen3_coder", wrong_type) == (wrong_type, [])
+    unknown = XML.replace("=Read>", "=Delete>")
+    assert scan("qwen3_coder", unknown) == (unknown, [])
+    glm_unknown = "<tool_call>Nope\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>"
+    assert scan("glm", glm_unknown) == (glm_unknown, [])
+    bad_json = '[TOOL_CALLS]Read[ARGS]{"path": "a.txt",'
+    assert scan("mistral", bad_json) == (bad_json, [])
+    assert scan("llama3", '{"name": "Nope", "parameters": {}}')[1] == []
+    assert scan("llama3", "{not json at all") == ("{not json at all", [])
+    assert scan("llama3", "Plain words.") == ("Plain words.", [])
+
+
+def harmony(text: str, pieces: int = 1) -> tuple[str, str, list]:
+    scanner = ToolScanner(ToolFormat(BY_NAME["harmony"], True), TOOLS)
+    split = HarmonySplitter(scanner.harmony_call)
+    step = max(1, len(text) // pieces)
+    parts = [text[i : i + step] for i in range(0, len(text), step)]
+    content, reasoning, calls = "", "", []
+    for i, part in enumerate(parts):
+        c, r, k = split.feed(part, final=i == len(parts) - 1)
+        content, reasoning, calls = content + c, reasoning + r, calls + k
+    return content, reasoning, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("pieces", [1, 9, 300])
+def test_harmony_channels_split_in_any_pieces(pieces):
+    both = ("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant"
+            "<|channel|>final<|message|>Answer.")  # fmt: skip
+    assert harmony(both, pieces) == ("Answer.", "Think.", [])
+    # the recipient in the header after the channel, as gpt-oss also writes it
+    call = ('<|channel|>commentary to=functions.Read <|constrain|>json<|message|>'
+            '{"path": "a.txt", "limit": 3}')  # fmt: skip
+    assert harmony(call, pieces) == ("", "", [("Read", {"path": "a.txt", "limit": 3})])
+
+
+def test_harmony_without_a_channel_or_to_an_unknown_function_stays_text():
+    assert harmony("just words, no header") == ("just words, no header", "", [])
+    assert harmony("<|message|>no channel") == ("no channel", "", [])
+    unknown = " to=functions.Nope<|channel|>commentary json<|message|>{}"
+    assert harmony(unknown) == ("{}", "", [])
