@@ -70,11 +70,14 @@ def _mlx_lm(module: str) -> Callable[[str, Sequence], Parsed]:
     def parse(body: str, tools: Sequence) -> Parsed:
         from importlib import import_module
 
-        found = import_module(f"mlx_lm.tool_parsers.{module}").parse_tool_call(body, list(tools))
-        found = found if isinstance(found, list) else [found]
-        return [(c["name"], c.get("arguments", {})) for c in found]
+        return _pairs(import_module(f"mlx_lm.tool_parsers.{module}").parse_tool_call(body, tools))
 
     return parse
+
+
+def _pairs(found: Any) -> Parsed:
+    found = found if isinstance(found, list) else [found]
+    return [(c["name"], c.get("arguments", {})) for c in found]
 
 
 def _parse_pairs(pattern: re.Pattern, name_of: Callable[[str], str]) -> Callable:
@@ -171,21 +174,26 @@ def _params(tool: Mapping) -> Mapping:
     return tool["function"].get("parameters") or {"type": "object"}
 
 
-def _json(schema: Mapping, spaced: bool = True) -> str:
+def guided(schema: Mapping, spaced: bool = True) -> dict:
+    """``schema`` with no free whitespace for a model to loop on: compact, or
+    spaced as templates write earlier calls (``tojson``: ``", "`` and ``": "``),
+    which is what a model trained on them writes."""
     flags = {"whitespace_flexible": False}
-    if spaced:  # as templates write earlier calls (``tojson``)
+    if spaced:
         flags |= {"item_separator": ", ", "key_separator": ": "}
-    return f"%json {json.dumps({'x-guidance': flags, **schema})}"
+    return {"x-guidance": flags, **schema}
 
 
-def _xml_params(tool: Mapping, one: Callable[[str, Mapping, bool], str]) -> str:
+def _json(schema: Mapping) -> str:
+    return f"%json {json.dumps(guided(schema))}"
+
+
+def _xml_params(tool: Mapping, one: Callable[[str, Mapping], str]) -> str:
     """A tool's parameters in XML, declared order, the optional ones optional."""
     schema = _params(tool)
     required = set(schema.get("required", ()))
     props = schema.get("properties") or {}
-    parts = [
-        f"({one(k, s, k in required)})" + ("" if k in required else "?") for k, s in props.items()
-    ]
+    parts = [f"({one(k, s)})" + ("" if k in required else "?") for k, s in props.items()]
     return " ".join(parts) or '""'
 
 
@@ -206,137 +214,114 @@ def _raw(schema: Mapping, until: str) -> str | None:
 
 
 def _qwen3_coder(tools: Sequence, parallel: bool, lit: Lit) -> str:
-    def param(key: str, schema: Mapping, _: bool) -> str:
+    def param(key: str, schema: Mapping) -> str:
         head = _quoted(f"<parameter={key}>\n")
         raw = _raw(schema, "\n</parameter>\n")
         return f"{head} {raw}" if raw else f'{head} {_json(schema)} "\\n</parameter>\\n"'
 
-    calls = [
-        f'{lit("<tool_call>")} "\\n<function={t["function"]["name"]}>\\n" '
-        f'{_xml_params(t, param)} "</function>\\n" {lit("</tool_call>")}'
-        for t in tools
-    ]
-    return _rules(calls, parallel, joiner='"\\n"')
+    def call(tool: Mapping) -> str:
+        head = _quoted("\n<function=" + _name(tool) + ">\n")
+        body = f'{_xml_params(tool, param)} "</function>\\n"'
+        return f"{lit('<tool_call>')} {head} {body} {lit('</tool_call>')}"
+
+    return _rules([call(t) for t in tools], parallel, joiner='"\\n"')
 
 
 def _glm(tools: Sequence, parallel: bool, lit: Lit) -> str:
-    def param(key: str, schema: Mapping, _: bool) -> str:
+    def param(key: str, schema: Mapping) -> str:
         head = f'{lit("<arg_key>")} {_quoted(key)} {lit("</arg_key>")} "\\n" {lit("<arg_value>")}'
-        value = _raw(schema, "") or _json(schema)
-        return f'{head} {value} {lit("</arg_value>")} "\\n"'
+        return f'{head} {_raw(schema, "") or _json(schema)} {lit("</arg_value>")} "\\n"'
 
-    calls = [
-        f"{lit('<tool_call>')} {_quoted(t['function']['name'] + chr(10))} "
-        f"{_xml_params(t, param)} {lit('</tool_call>')}"
-        for t in tools
-    ]
+    calls = [f'{lit("<tool_call>")} {_quoted(_name(t) + chr(10))} {_xml_params(t, param)} '
+             f'{lit("</tool_call>")}' for t in tools]  # fmt: skip
     return _rules(calls, parallel, joiner='"\\n"')
 
 
 def _minimax(tools: Sequence, parallel: bool, lit: Lit) -> str:
-    def param(key: str, schema: Mapping, _: bool) -> str:
+    """Every call in one block: ``<invoke>`` after ``<invoke>``."""
+
+    def param(key: str, schema: Mapping) -> str:
         head = _quoted(f'<parameter name="{key}">')
         raw = _raw(schema, "</parameter>\n")
         return f"{head} {raw}" if raw else f'{head} {_json(schema)} "</parameter>\\n"'
 
-    invokes = [
-        f"{_quoted(chr(10).join(['', f'<invoke name={_attr(t)}>', ''])[1:])} "
-        f'{_xml_params(t, param)} "</invoke>\\n"'
-        for t in tools
-    ]
-    more = "+" if parallel else ""
-    return (
-        f'start: {lit("<minimax:tool_call>")} "\\n" (invoke){more} {lit("</minimax:tool_call>")}\n'
-        f"invoke: {' | '.join(f'({i})' for i in invokes)}\n"
-    )
+    def call(tool: Mapping) -> str:
+        head = _quoted('<invoke name="' + _name(tool) + '">\n')
+        return f'{head} {_xml_params(tool, param)} "</invoke>\\n"'
 
-
-def _attr(tool: Mapping) -> str:
-    return '"' + tool["function"]["name"] + '"'
+    calls = [call(t) for t in tools]
+    return _section(lit("<minimax:tool_call>") + ' "\\n"', calls, lit("</minimax:tool_call>"),
+                    parallel)  # fmt: skip
 
 
 def _kimi(tools: Sequence, parallel: bool, lit: Lit) -> str:
-    calls = [
-        f"{lit('<|tool_call_begin|>')} {_quoted('functions.' + t['function']['name'] + ':')} "
-        f"{_regex('[0-9]{1,2}')} {lit('<|tool_call_argument_begin|>')} {_json(_params(t))} "
-        f"{lit('<|tool_call_end|>')}"
-        for t in tools
-    ]
-    more = "+" if parallel else ""
-    return (
-        f"start: {lit('<|tool_calls_section_begin|>')} (call){more} "
-        f"{lit('<|tool_calls_section_end|>')}\ncall: {' | '.join(f'({c})' for c in calls)}\n"
-    )
+    calls = [f"{lit('<|tool_call_begin|>')} {_quoted(f'functions.{_name(t)}:')} "
+             f"{_regex('[0-9]{1,2}')} {lit('<|tool_call_argument_begin|>')} {_json(_params(t))} "
+             f"{lit('<|tool_call_end|>')}" for t in tools]  # fmt: skip
+    return _section(lit("<|tool_calls_section_begin|>"), calls, lit("<|tool_calls_section_end|>"),
+                    parallel)  # fmt: skip
 
 
 def _deepseek(tools: Sequence, parallel: bool, lit: Lit) -> str:
-    calls = [
-        f"{lit('<｜tool▁call▁begin｜>')} {_quoted(t['function']['name'])} {lit('<｜tool▁sep｜>')} "
-        f"{_json(_params(t))} {lit('<｜tool▁call▁end｜>')}"
-        for t in tools
-    ]
-    more = "+" if parallel else ""
-    return (
-        f"start: {lit('<｜tool▁calls▁begin｜>')} (call){more} {lit('<｜tool▁calls▁end｜>')}\n"
-        f"call: {' | '.join(f'({c})' for c in calls)}\n"
-    )
+    calls = [f"{lit('<｜tool▁call▁begin｜>')} {_quoted(_name(t))} {lit('<｜tool▁sep｜>')} "
+             f"{_json(_params(t))} {lit('<｜tool▁call▁end｜>')}" for t in tools]  # fmt: skip
+    return _section(lit("<｜tool▁calls▁begin｜>"), calls, lit("<｜tool▁calls▁end｜>"), parallel)
 
 
 def _mistral(tools: Sequence, parallel: bool, lit: Lit) -> str:
-    calls = [
-        f"{lit('[TOOL_CALLS]')} {_quoted(t['function']['name'])} {lit('[ARGS]')} "
-        f"{_json(_params(t))}"
-        for t in tools
-    ]
+    calls = [f"{lit('[TOOL_CALLS]')} {_quoted(_name(t))} {lit('[ARGS]')} {_json(_params(t))}"
+             for t in tools]  # fmt: skip
     return _rules(calls, parallel)
 
 
-def _llama3(tools: Sequence, parallel: bool, lit: Lit) -> str:
-    calls = [
-        _json(
-            {
-                "type": "object",
-                "properties": {"name": {"const": t["function"]["name"]}, "parameters": _params(t)},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-        )
-        for t in tools
-    ]
-    return _rules(calls, parallel, joiner='"; "')
+def _call_object(tool: Mapping, key: str) -> dict:
+    """One call as a JSON object: ``{"name": N, key: {its arguments}}``."""
+    return {"type": "object", "properties": {"name": {"const": _name(tool)}, key: _params(tool)},
+            "required": ["name", key], "additionalProperties": False}  # fmt: skip
+
+
+def hermes_schema(tools: Sequence) -> dict:
+    """One Hermes call ``{"name", "arguments"}`` to any of ``tools``."""
+    one = [_call_object(t, "arguments") for t in tools]
+    return one[0] if len(one) == 1 else {"anyOf": one}
 
 
 def _hermes(tools: Sequence, parallel: bool, lit: Lit) -> str:
-    calls = [
-        f'{lit("<tool_call>")} "\\n" '
-        + _json(
-            {
-                "type": "object",
-                "properties": {"name": {"const": t["function"]["name"]}, "arguments": _params(t)},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-        )
-        + f' "\\n" {lit("</tool_call>")}'
-        for t in tools
-    ]
-    return _rules(calls, parallel, joiner='"\\n"')
+    """A newline on each side of the JSON, as the template writes them (either
+    may be left out)."""
+    more = "+" if parallel else ""
+    call = f'{lit("<tool_call>")} "\\n"? obj "\\n"? {lit("</tool_call>")}'
+    return f"start: call{more}\ncall: {call}\nobj: {_json(hermes_schema(tools))}\n"
+
+
+def _llama3(tools: Sequence, parallel: bool, lit: Lit) -> str:
+    return _rules([_json(_call_object(t, "parameters")) for t in tools], parallel,
+                  joiner='"; "')  # fmt: skip
 
 
 def _harmony(tools: Sequence, parallel: bool, lit: Lit) -> str:
     """One call (a Harmony call ends the answer: ``<|call|>`` is an end token),
     as the template writes one after the generation prompt's ``<|start|>assistant``."""
-    calls = [
-        f"{_quoted(' to=functions.' + t['function']['name'])} {lit('<|channel|>')} "
-        f'"commentary json" {lit("<|message|>")} {_json(_params(t))} {lit("<|call|>")}'
-        for t in tools
-    ]
+    calls = [f"{_quoted(f' to=functions.{_name(t)}')} {lit('<|channel|>')} "
+             f'"commentary json" {lit("<|message|>")} {_json(_params(t))} {lit("<|call|>")}'
+             for t in tools]  # fmt: skip
     return _rules(calls, False)
+
+
+def _name(tool: Mapping) -> str:
+    return tool["function"]["name"]
 
 
 def _rules(calls: Sequence[str], parallel: bool, joiner: str = "") -> str:
     more = f"({joiner} call)*" if parallel else ""
     return f"start: call {more}\ncall: {' | '.join(f'({c})' for c in calls)}\n"
+
+
+def _section(opening: str, calls: Sequence[str], closing: str, parallel: bool) -> str:
+    """Calls inside one block between ``opening`` and ``closing`` markers."""
+    more = "+" if parallel else ""
+    return (f"start: {opening} (call){more} {closing}\n"
+            f"call: {' | '.join(f'({c})' for c in calls)}\n")  # fmt: skip
 
 
 # -- the families -------------------------------------------------------------
@@ -348,7 +333,9 @@ class Family:
     open: str  # a block of calls opens with this (``""``: the whole answer is one)
     close: str  # and closes with this (``""``: at the next ``open``, or the end)
     parse: Callable[[str, Sequence], Parsed] = attrs.field(repr=False)
-    grammar: Callable[[Sequence, bool, Lit], str] = attrs.field(repr=False)
+    # The lark grammar of ``required`` calls (None: a family mlx-lm reads that we
+    # cannot constrain: such calls are asked for in the generic format).
+    grammar: Callable[[Sequence, bool, Lit], str] | None = attrs.field(repr=False)
     marks: tuple[str, ...] = ()  # all of these in a chat template: this family
     think: tuple[str, str] | None = None  # reasoning markers the tokenizer may not name
     # How the template wants earlier calls' arguments: as objects, or as text.
@@ -433,10 +420,25 @@ def family_for(template: str | None) -> Family | None:
 
 
 def family_of(tokenizer: Any) -> Family | None:
+    """The tokenizer's family: one of ours by its template, else the one mlx-lm
+    recognises (Gemma 4, LFM2's pythonic calls...), read by mlx-lm's parser and
+    with no grammar of its own (None: neither)."""
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
         template = getattr(getattr(tokenizer, "_tokenizer", None), "chat_template", None)
-    return family_for(template if isinstance(template, str) else None)
+    found = family_for(template if isinstance(template, str) else None)
+    if found is not None or not getattr(tokenizer, "has_tool_calling", False):
+        return found
+    return _mlx_lm_family(tokenizer.tool_parser, tokenizer.tool_call_start, tokenizer.tool_call_end)
+
+
+@functools.lru_cache(maxsize=16)
+def _mlx_lm_family(parser: Callable, start: str, end: str) -> Family:
+    def parse(body: str, tools: Sequence) -> Parsed:
+        return _pairs(parser(body, list(tools)))
+
+    name = getattr(parser, "__module__", "mlx_lm").rsplit(".", 1)[-1]
+    return Family(name, start, end or "", parse, None)
 
 
 def literal(tokenizer: Any) -> Lit:
@@ -478,6 +480,7 @@ class HarmonySplitter:
     channel: str | None = None
     recipient: str | None = None
     body: str = ""
+    head: str = ""  # the open message's header, as written
     calls: int = 0
     cut: str | None = None
 
@@ -488,12 +491,15 @@ class HarmonySplitter:
             if not self.in_body:
                 at = self.text.find("<|message|>")
                 if at < 0:
-                    if final:  # a header that never reached a body: text
+                    if final and cut:  # cut short (max_tokens) in a header: dropped
+                        self.cut, self.text = self.text, ""
+                    elif final:  # a header that never reached a body: text
                         content.append(self.text)
                         self.text = ""
                     break
                 head, self.text = self.text[:at], self.text[at + len("<|message|>") :]
                 self._header(head.removeprefix("<|start|>"))
+                self.head = head + "<|message|>"
                 self.in_body = True
             end = self.text.find("<|end|>")
             if end < 0:
@@ -537,8 +543,8 @@ class HarmonySplitter:
                     if self.recipient.startswith("functions.")
                     else None
                 )
-                if call is None:
-                    content.append(self.body)
+                if call is None:  # not a call after all: the message as written
+                    content.append(self.head + self.body)
                 else:
                     self.calls += 1
                     calls.append(call)

@@ -26,7 +26,7 @@ import jsonschema
 
 from .constrain import loosen
 from .errors import InvalidRequest
-from .families import BY_NAME, DECODER, Family, Lit, family_of
+from .families import BY_NAME, DECODER, Family, Lit, family_of, guided, hermes_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -59,9 +59,12 @@ GENERIC = ToolFormat()
 
 
 def tool_format(tokenizer: Any, choice: str | None) -> ToolFormat:
-    """The template's own format where its family is known; else the generic one."""
+    """The template's own format where its family is known (and, for a constrained
+    call, can be constrained); else the generic one."""
     family = family_of(tokenizer)
-    return GENERIC if family is None else ToolFormat(family, True)
+    if family is None or (family.grammar is None and choice not in ("auto", "none")):
+        return GENERIC
+    return ToolFormat(family, True)
 
 
 def native_messages(
@@ -174,27 +177,10 @@ def chosen(tools: Sequence[Mapping[str, Any]], choice: Any) -> str | None:
     return name
 
 
-def _schema(tool: Mapping[str, Any]) -> dict:
-    fn = tool["function"]
-    return {
-        "type": "object",
-        "properties": {
-            "name": {"const": fn["name"]},
-            "arguments": fn.get("parameters") or {"type": "object"},
-        },
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-
-
 def _calls_schema(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat = GENERIC) -> dict:
-    """One call to any of ``tools``, with no free whitespace for a model to loop
-    on: compact in the generic format; in a template's own, spaced as the template
-    writes earlier calls (``tojson``: ``", "`` and ``": "``), which is what a model
-    trained on it writes."""
-    schema = _schema(tools[0]) if len(tools) == 1 else {"anyOf": [_schema(t) for t in tools]}
-    spacing = {"item_separator": ", ", "key_separator": ": "} if fmt.native else {}
-    return {"x-guidance": {"whitespace_flexible": False, **spacing}, **schema}
+    """One call to any of ``tools``: compact in the generic format, spaced as the
+    template writes calls in its own."""
+    return guided(hermes_schema(tools), spaced=fmt.native)
 
 
 def _call_rule(fmt: ToolFormat, lit: Lit) -> str:
@@ -218,7 +204,7 @@ def call_grammar(
     if choice in ("auto", "none"):
         return None
     pool = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
-    if fmt.native and not fmt.json:
+    if fmt.native:
         return fmt.family.grammar(pool, parallel, lit)
     repeat = "+" if parallel else ""
     schema = _calls_schema(pool, fmt)

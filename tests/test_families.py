@@ -62,6 +62,12 @@ def script() -> dict:
         if thinks:
             turn["reasoning"] = "Let me think."
         rules.append({"when": _when(n, thinks), "turns": [turn]})
+    rules.append(
+        {
+            "when": "call a stranger",
+            "turns": [{"text": "Trying.", "calls": [{"name": "Nope", "arguments": {"path": "x"}}]}],
+        }
+    )
     return {"rules": rules, "default": {"text": "ok"}}
 
 
@@ -171,6 +177,33 @@ async def test_every_api_reads_the_familys_own_calls_and_reasoning(family, templ
                         assert (got[0].strip(), got[1].strip()) == want[:2], (where, got)
             await oa.close()
             await an.close()
+
+
+@pytest.mark.parametrize("family", sorted(FIXTURES))
+async def test_a_call_cut_short_or_to_an_unknown_function_is_never_an_error(
+    family, templates, tmp_path
+):
+    """A call cut by ``max_tokens`` is dropped (``length``, no call, no markup); a
+    call to a function the request did not offer stays text, markup and all."""
+    model = build(tmp_path / family, script(), family=family)
+    with trio.fail_after(300):
+        async with running_server(str(model), trust_remote_code=True,
+                                  prefill_step_size=512) as (url, _):  # fmt: skip
+            oa = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+            cut = {"model": family, "max_tokens": 40, "tools": TOOLS,
+                   "messages": [{"role": "user", "content": _when(1, False)}]}  # fmt: skip
+            for stream in (False, True):
+                text, _, calls = await chat(oa, stream, **cut)
+                _clean(text)
+                assert calls == [] and text.strip() == expected(family, 1, False)[0], (stream, text)
+            if family != "hermes":  # Hermes' opened calls are held to the tools (auto)
+                reply = await oa.chat.completions.create(
+                    model=family, max_tokens=300, tools=TOOLS,
+                    messages=[{"role": "user", "content": "call a stranger"}])  # fmt: skip
+                answer = reply.choices[0]
+                assert answer.finish_reason == "stop" and not answer.message.tool_calls
+                assert "Nope" in answer.message.content, answer.message.content
+            await oa.close()
 
 
 @pytest.mark.parametrize("family", sorted(FIXTURES))
@@ -333,4 +366,63 @@ def test_harmony_without_a_channel_or_to_an_unknown_function_stays_text():
     assert harmony("just words, no header") == ("just words, no header", "", [])
     assert harmony("<|message|>no channel") == ("no channel", "", [])
     unknown = " to=functions.Nope<|channel|>commentary json<|message|>{}"
-    assert harmony(unknown) == ("{}", "", [])
+    assert harmony(unknown) == (unknown, "", [])
+
+
+def test_earlier_reasoning_from_every_api_reaches_the_template(templates, tmp_path):
+    """Anthropic ``thinking`` blocks and Responses ``reasoning`` items go back on
+    their assistant turn as ``reasoning_content``, which a template that keeps
+    earlier reasoning (GLM's) renders in its own markers."""
+    from mlx_lm import load
+    from mlx_nursery.server.api.messages import parse_messages
+    from mlx_nursery.server.api.responses import parse_responses
+
+    anthropic_body = {"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Plan the read.", "signature": ""},
+            {"type": "tool_use", "id": "t1", "name": "Read", "input": {"path": "a"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "hi"}]}]}  # fmt: skip
+    responses_body = {"model": "m", "input": [
+        {"role": "user", "content": "go"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Plan the read."}]},
+        {"type": "function_call", "call_id": "t1", "name": "Read", "arguments": '{"path": "a"}'},
+        {"type": "function_call_output", "call_id": "t1", "output": "hi"}]}  # fmt: skip
+    path = build(tmp_path / "glm", script(), family="glm")
+    _, tokenizer = load(str(path), trust_remote_code=True)
+    for parsed in (parse_messages(anthropic_body), parse_responses(responses_body)):
+        messages = parsed.request.prompt
+        (turn,) = [m for m in messages if m["role"] == "assistant"]
+        assert turn["reasoning_content"] == "Plan the read.", messages
+        for m in messages:
+            for call in m.get("tool_calls", ()):
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        text = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+        assert "<think>Plan the read.</think>" in text, text[-400:]
+
+
+def test_a_template_only_mlx_lm_knows_is_read_by_its_parser():
+    """A family of mlx-lm's that is not ours (LFM2's pythonic calls) is read by
+    mlx-lm's parser; a constrained call asks for the generic format instead."""
+    from mlx_lm.tool_parsers import pythonic
+    from mlx_nursery.actors.families import family_of
+    from mlx_nursery.actors.tools import GENERIC, tool_format
+
+    class Tokenizer:
+        chat_template = "{{ messages }} <|tool_call_start|>"
+        has_tool_calling = True
+        tool_parser = staticmethod(pythonic.parse_tool_call)
+        tool_call_start, tool_call_end = pythonic.tool_call_start, pythonic.tool_call_end
+
+    family = family_of(Tokenizer())
+    assert family.name == "pythonic" and family.grammar is None
+    assert tool_format(Tokenizer(), "required") is GENERIC
+    scanner = ToolScanner(tool_format(Tokenizer(), "auto"), TOOLS)
+    text = 'Ok.<|tool_call_start|>[Read(path="a.txt", limit=3)]<|tool_call_end|>'
+    shown, calls = scanner.feed(text, final=True)
+    assert shown == "Ok." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("Read", {"path": "a.txt", "limit": 3})
+    ]
