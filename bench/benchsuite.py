@@ -822,6 +822,7 @@ def mlx_lm_tp_rank(model: str) -> None:
     from mlx_lm.sample_utils import make_sampler
     from mlx_lm.utils import sharded_load
 
+
     group = mx.distributed.init(backend="ring", strict=False)
     if group.size() > 1:
         loaded, _ = sharded_load(model, tensor_group=group)
@@ -1026,10 +1027,8 @@ def flood(model: str, label: str, repeats: int) -> None:
             turns = ", ".join(f"{t:.2f}" for t in report.turn_seconds)
             cached = ", ".join(f"{c:.2f}" for c in report.history_cached)
             rate = report.agent_tokens_per_second
-            phases = "/".join(
-                "-" if v is None else f"{v:.1f}"
-                for v in (report.agent_before, report.agent_in_turns, report.agent_between)
-            )
+            phases = "/".join("-" if v is None else f"{v:.1f}" for v in
+                              (report.agent_before, report.agent_in_turns, report.agent_between))
             print(f"  flood {name}: B turns [{turns}] s, cached [{cached}], A "
                   f"{'-' if rate is None else f'{rate:.1f}'} tok/s (before/in turns/between "
                   f"{phases}), paused {report.paused}, errors {len(report.errors)}",
@@ -1283,14 +1282,11 @@ def speculative(
         f" {rounds} rounds, the servers taking turns in reverse order every other round; "
         "each rate is the mean over rounds (the other figures are the median round's), "
         "and the last column has each round's ratio of ours to mlx_lm.server."
-        if rounds > 1
-        else ""
+        if rounds > 1 else ""
     )
     peers_note = (
         " Peers (" + ", ".join(f"`{PEERS[p][0]}`" for p in peers) + ") run alone on the same "
-        "loads, each with a fresh HOME; neither drafts."
-        if peers
-        else ""
+        "loads, each with a fresh HOME; neither drafts." if peers else ""
     )
     body = "\n".join([
         f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; float32; greedy, {SPEC_TOKENS} "

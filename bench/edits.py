@@ -9,7 +9,7 @@ answers copy nothing from the prompt.
 
 from __future__ import annotations
 
-_INVENTORY = """import json
+_INVENTORY = '''import json
 from dataclasses import dataclass, field
 
 
@@ -43,7 +43,7 @@ class Inventory:
     def save(self, path):
         with open(path, "w") as f:
             json.dump({sku: vars(item) for sku, item in self.items.items()}, f)
-"""
+'''
 
 _RETRY = '''import time
 import random
@@ -66,7 +66,7 @@ def fetch_with_retry(client, url):
     return retry(lambda: client.get(url), attempts=5)
 '''
 
-_STATS_JS = """export function mean(values) {
+_STATS_JS = '''export function mean(values) {
   if (values.length === 0) {
     return 0;
   }
@@ -90,9 +90,9 @@ export function variance(values) {
   const m = mean(values);
   return mean(values.map((value) => (value - m) ** 2));
 }
-"""
+'''
 
-_CONFIG = """import os
+_CONFIG = '''import os
 from pathlib import Path
 
 DEFAULT_PORT = 8080
@@ -114,9 +114,9 @@ def load_settings(path=None):
     if os.environ.get("APP_DEBUG") == "1":
         settings["debug"] = True
     return settings
-"""
+'''
 
-_QUEUE_GO = """package queue
+_QUEUE_GO = '''package queue
 
 import "errors"
 
@@ -146,9 +146,9 @@ func (q *Queue) Pop() (int, error) {
 func (q *Queue) Len() int {
 	return len(q.items)
 }
-"""
+'''
 
-_TEST = """import pytest
+_TEST = '''import pytest
 
 from shop.cart import Cart, Product
 
@@ -174,9 +174,9 @@ def test_discount_applies_to_total():
 def test_negative_price_is_rejected():
     with pytest.raises(ValueError):
         Product("broken", price=-1)
-"""
+'''
 
-_HANDLER = """from http import HTTPStatus
+_HANDLER = '''from http import HTTPStatus
 
 
 def handle_request(request, store):
@@ -192,9 +192,9 @@ def handle_request(request, store):
         "user": {"id": user.id, "name": user.name},
         "orders": [{"id": order.id, "total": order.total} for order in orders],
     }
-"""
+'''
 
-_SHAPES_TS = """interface Point {
+_SHAPES_TS = '''interface Point {
   x: number;
   y: number;
 }
@@ -219,7 +219,7 @@ export class Rectangle {
     );
   }
 }
-"""
+'''
 
 # (language, file, the change asked for)
 EDITS: tuple[tuple[str, str, str], ...] = (

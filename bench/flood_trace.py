@@ -90,17 +90,13 @@ def report(trace: str, seconds: float) -> None:
     print("| --- | --- | --- | --- | --- |")
     for key in sorted(busy, key=lambda k: -busy[k]):
         extra = f" ({tokens[key]} tokens)" if key in tokens else ""
-        print(
-            f"| {key}{extra} | {count[key]} | {busy[key]:.2f} | "
-            f"{100 * busy[key] / seconds:.0f}% | {1000 * busy[key] / count[key]:.0f} |"
-        )
+        print(f"| {key}{extra} | {count[key]} | {busy[key]:.2f} | "
+              f"{100 * busy[key] / seconds:.0f}% | {1000 * busy[key] / count[key]:.0f} |")
     mixed = [d for t, d, _, x in steps if start <= t <= end and max(x["lengths"]) >= B_ROW]
     alone = [d for t, d, _, x in steps if t < start and len(x["lengths"]) == 4
              and max(x["lengths"]) < B_ROW]  # fmt: skip
-    print(
-        f"\nA's four rows alone (before the window): {1000 * statistics.median(alone):.0f} ms "
-        f"a step (median); with B's row among four: {1000 * statistics.median(mixed):.0f} ms"
-    )
+    print(f"\nA's four rows alone (before the window): {1000 * statistics.median(alone):.0f} ms "
+          f"a step (median); with B's row among four: {1000 * statistics.median(mixed):.0f} ms")
 
 
 def main() -> int:
@@ -146,10 +142,8 @@ def main() -> int:
         server.wait()
         shutil.rmtree(os.path.join(scratch, "kv"), ignore_errors=True)  # the trace stays
     turns = ", ".join(f"{t:.2f}" for t in flood.turn_seconds)
-    print(
-        f"B's turns [{turns}] s; A {flood.agent_tokens_per_second:.1f} tok/s over "
-        f"{flood.seconds:.1f} s; rows paused {flood.paused}"
-    )
+    print(f"B's turns [{turns}] s; A {flood.agent_tokens_per_second:.1f} tok/s over "
+          f"{flood.seconds:.1f} s; rows paused {flood.paused}")
     report(trace, flood.seconds)
     print(f"\nthe trace (every GPU call): {trace}")
     return 0

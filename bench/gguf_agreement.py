@@ -104,6 +104,5 @@ def main() -> None:
         how = "; ".join(sorted(widths)) if label != "all" else "as served"
         print(f"| {label} | {len(tensors)} | {how} | {top1:.1%} | {kl:.4f} | {cos:.5f} |")
 
-
 if __name__ == "__main__":
     main()
