@@ -9,6 +9,7 @@ import logging
 import attrs
 import trio
 from mlx_nursery.actors import Engine, open_engine
+from mlx_nursery.actors.families import family_of
 from mlx_nursery.actors.models.registry import short_id
 
 from .api.base import ApiError
@@ -72,7 +73,10 @@ class ServerState:
                     freeze_startup_heap()
                 self.engine, self.phase = engine, ServerPhase.SERVING
                 mode = engine.stats().mode
-                log.info("serving %s (batch %d, mode %s)", self.model_id, s.engine.batch, mode)
+                family = family_of(engine.tokenizer)
+                calls = family.name if family is not None else "the generic format"
+                log.info("serving %s (batch %d, mode %s, tool calls: %s)", self.model_id,
+                         s.engine.batch, mode, calls)  # fmt: skip
                 await self._stop.wait()
         except Exception as exc:
             self.phase, self.error = ServerPhase.FAILED, f"{type(exc).__name__}: {exc}"
