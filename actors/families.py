@@ -16,14 +16,18 @@ family         a call                                          parser
 =============  ==============================================  ==============
 hermes         ``<tool_call>{"name":..,"arguments":..}</tool_call>``  ours
 qwen3_coder    ``<tool_call><function=N><parameter=K>V</parameter>``  mlx-lm's
-glm            ``<tool_call>N<arg_key>K</arg_key><arg_value>V..``     mlx-lm's
-minimax        ``<minimax:tool_call><invoke name="N"><parameter..``   mlx-lm's
+glm            ``<tool_call>N<arg_key>K</arg_key><arg_value>V..``     ours
+minimax        ``<minimax:tool_call><invoke name="N"><parameter..``   ours
 kimi           ``<|tool_call_begin|>functions.N:0<|tool_call_argument_begin|>{}``  ours
 deepseek       ``tool call begin``, N, ``tool sep``, ``{}`` (fullwidth-bar tokens)  ours
 mistral        ``[TOOL_CALLS]N[ARGS]{}``                                ours
 llama3         the whole answer: ``{"name": N, "parameters": {}}``    ours
 harmony        ``<|start|>assistant to=functions.N<|channel|>commentary json<|message|>{}``
 =============  ==============================================  ==============
+
+mlx-lm's GLM and MiniMax parsers strip a string value's blank space: a file a
+coding agent writes would lose its trailing newline, so ours keep a declared
+string exactly as written.
 
 Harmony (gpt-oss) is a stream of channel messages rather than tagged blocks:
 :class:`HarmonySplitter` reads it whole (analysis is reasoning, final and plain
@@ -151,6 +155,64 @@ def _value_text(whole: str, key: str) -> str:
         if k == key:
             return whole[start:end]
         at = whole.index(",", end) + 1
+
+
+def _xml_value(text: str, name: str, key: str, tools: Sequence) -> Any:
+    """A parameter's value as written in XML: raw text where the tool declares a
+    string (exactly: a file's trailing newline is the file's), else JSON (and the
+    text itself where it is not JSON: the schema check then judges it)."""
+    for tool in tools:
+        if tool.get("function", {}).get("name") == name:
+            prop = (_params(tool).get("properties") or {}).get(key) or {}
+            if prop.get("type") == "string":
+                return text
+    try:
+        return DECODER.decode(text)
+    except ValueError:
+        return text
+
+
+_GLM = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_MINIMAX_INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>', re.S)
+_MINIMAX_PARAM = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>', re.S)
+
+
+def _xml_pairs(text: str, pattern: re.Pattern, name: str, tools: Sequence) -> dict:
+    """Key-value pairs that are all of ``text`` (but blank space)."""
+    args, at = {}, 0
+    for match in pattern.finditer(text):
+        if match.start() != at:
+            raise ValueError("text between the parameters")
+        args[match.group(1)] = _xml_value(match.group(2), name, match.group(1), tools)
+        at = match.end()
+    if text[at:].strip():
+        raise ValueError("text after the parameters")
+    return args
+
+
+def _parse_glm(body: str, tools: Sequence) -> Parsed:
+    """``NAME`` then ``<arg_key>K</arg_key><arg_value>V</arg_value>`` pairs (with
+    newlines between them in GLM-4.5/4.6, none in 4.7)."""
+    name, _, rest = body.partition("<arg_key>")
+    name = name.strip()
+    if not name or "<" in name:
+        raise ValueError("not a GLM call")
+    return [(name, _xml_pairs("<arg_key>" + rest if rest else "", _GLM, name, tools))]
+
+
+def _parse_minimax(body: str, tools: Sequence) -> Parsed:
+    """``<invoke name="N"><parameter name="K">V</parameter>...</invoke>``, one or more."""
+    found = []
+    at = 0
+    for match in _MINIMAX_INVOKE.finditer(body):
+        if match.start() != at:
+            raise ValueError("text between the calls")
+        name = match.group(1)
+        found.append((name, _xml_pairs(match.group(2), _MINIMAX_PARAM, name, tools)))
+        at = match.end()
+    if not found or body[at:].strip():
+        raise ValueError("not a MiniMax block")
+    return found
 
 
 def _parse_hermes(body: str, tools: Sequence) -> Parsed:
@@ -352,12 +414,12 @@ FAMILIES = (
         _qwen3_coder,
         ("<function=", "<parameter="),
     ),
-    Family("glm", "<tool_call>", "</tool_call>", _mlx_lm("glm47"), _glm, ("<arg_key>",)),
+    Family("glm", "<tool_call>", "</tool_call>", _parse_glm, _glm, ("<arg_key>",)),
     Family(
         "minimax",
         "<minimax:tool_call>",
         "</minimax:tool_call>",
-        _mlx_lm("minimax_m2"),
+        _parse_minimax,
         _minimax,
         ("<minimax:tool_call>",),
     ),

@@ -240,8 +240,12 @@ class Intake:
         ids = self.render(messages, generation_prompt=True, **template)
         boundary = None
         if len(messages) > 1:
-            before = self.render(messages[:-1], generation_prompt=False, **template)
-            boundary = len(before) if ids[: len(before)] == before else None
+            try:  # a template may refuse the shorter conversation (Llama 3's tools in the
+                before = self.render(messages[:-1], generation_prompt=False, **template)
+            except InvalidRequest:  # first user message): then there is no boundary
+                before = None
+            if before is not None and ids[: len(before)] == before:
+                boundary = len(before)
         return ids, boundary
 
     def render(self, messages: list, *, generation_prompt: bool, **extra: Any) -> list[int]:

@@ -94,11 +94,13 @@ DIALECTS = {
     "llama3": Dialect(r"<|start_header_id|>(\w+)<|end_header_id|>\n\n",
                       ("<|eot_id|>", "<|eom_id|>"),
                       r"<|start_header_id|>assistant<|end_header_id|>\n\n"),
-    "deepseek": Dialect(r"(<｜User｜>|<｜Assistant｜>|<｜tool▁output▁begin｜>)",
-                        ("<｜end▁of▁sentence｜>", "<｜tool▁output▁end｜>"),
+    "deepseek": Dialect(r"(<｜User｜>|<｜Assistant｜>|<｜tool▁output▁begin｜>"
+                        r"|<｜tool▁output▁end｜>)",
+                        ("<｜end▁of▁sentence｜>",),
                         r"<｜Assistant｜>(?:</think>|<think>)?|<｜tool▁output▁end｜>",
                         roles=(("<｜User｜>", "user"), ("<｜Assistant｜>", "assistant"),
-                               ("<｜tool▁output▁begin｜>", "tool"))),
+                               ("<｜tool▁output▁begin｜>", "tool"),
+                               ("<｜tool▁output▁end｜>", "assistant"))),
     "mistral": Dialect(r"([INST]|[/INST]|[TOOL_RESULTS]|[/TOOL_RESULTS]|[SYSTEM_PROMPT])",
                        ("</s>", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]"),
                        r"[/INST]|[/TOOL_RESULTS]",
@@ -198,7 +200,8 @@ class Script:
             found = self.result.search(content) if self.result else None
             if found and role in ("user", "tool"):
                 role, content = "tool", found.group(1)
-            turns.append((role, content))
+            if role != "assistant" or content.strip():  # (an empty one: a marker between
+                turns.append((role, content))  # two results, where the answer goes on)
         return Conversation(turns)
 
     def answer(self, conversation: Conversation, opened: bool) -> str:
@@ -237,6 +240,23 @@ class Script:
         self.plans.move_to_end(key)
         return self.plans[key]
 
+    def heads(self, text: str, ends: np.ndarray) -> tuple[list, np.ndarray]:
+        """The generation prompts in ``text`` as (start, end, text), and for each
+        query the index of the last one it sees whole. A query that sees only the
+        start of one (its optional tail, e.g. GLM's ``<think></think>``, matched
+        over tokens after the query: a draft being verified) gets that one as
+        matched on what it sees."""
+        found = [(h.start(), h.end(), h.group()) for h in self.generation.finditer(text)]
+        last = np.searchsorted([h[1] for h in found], ends + 1, side="right") - 1
+        for q, e in enumerate(ends.tolist()):
+            nxt = int(last[q]) + 1
+            if nxt < len(found) and found[nxt][0] <= e:
+                short = self.generation.match(text, found[nxt][0], e + 1)
+                if short is not None:
+                    found.append((short.start(), short.end(), short.group()))
+                    last[q] = len(found) - 1
+        return found, last
+
     def next_all(self, row: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """The next token after ``row[: end + 1]`` for each of ``ends``: inside an
         answer, its next token; otherwise the end token. Queries are grouped by
@@ -244,20 +264,18 @@ class Script:
         answer is what follows it is the one being written (Harmony writes
         ``<|start|>assistant`` inside an answer)."""
         out = np.full(len(ends), self.end, np.int64)
-        heads = list(self.generation.finditer(self.text(row)))
-        if not heads:
-            return out
-        stops = np.array([h.end() for h in heads])
-        last = np.searchsorted(stops, ends + 1, side="right") - 1
+        heads, last = self.heads(self.text(row), ends)
         for i in np.unique(last[last >= 0]):
             queries = np.flatnonzero(last == i)
             e = int(ends[queries].min())  # later queries may read drafts, right or wrong
+            head = heads[i]
+            earlier = [h for h in heads if h[1] <= head[0]][-3:]  # an answer holds a few at most
             found = None
-            for h in reversed(heads[max(0, i - 3) : i + 1]):  # an answer holds a few at most
-                plan = self.plan(row[: h.start()], h.group())
-                said = row[h.end() : e + 1]
+            for start, end, group in reversed([*earlier, head]):
+                plan = self.plan(row[:start], group)
+                said = row[end : e + 1]
                 if len(said) < len(plan) and np.array_equal(plan[: len(said)], said):
-                    found = (plan, h.end())
+                    found = (plan, end)
             if found is None:
                 continue
             plan, start = found

@@ -426,3 +426,50 @@ def test_a_template_only_mlx_lm_knows_is_read_by_its_parser():
     assert shown == "Ok." and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("Read", {"path": "a.txt", "limit": 3})
     ]
+
+
+LOOP = """
+@function_tool
+def read_file(path: str) -> str:
+    "A file's text."
+    return Path(path).read_text()
+
+
+@function_tool
+def write_file(path: str, content: str) -> str:
+    "Write a file."
+    Path(path).write_text(content)
+    return f"wrote {len(content)} characters to {Path(path).name}"
+
+
+async def main(url, kind):
+    agent = Agent(name="editor", instructions="Edit files.", tools=[read_file, write_file],
+                  model=sdk_model(url, kind, "scripted"))
+    result = await Runner.run(agent, "Mark notes.txt reviewed.", max_turns=6)
+    print(json.dumps({"final": str(result.final_output)}))
+"""
+
+
+@pytest.mark.parametrize("family", sorted(FIXTURES))
+async def test_the_agents_sdk_runs_its_loop_on_every_family(family, templates, tmp_path):
+    """A real client's multi-step loop (read a file, write it, answer) where each
+    step's call is written in the family's own markup and its result goes back
+    through the family's template; Harmony and Qwen3-Coder also through Responses."""
+    from agent_loops import agents_sdk_script, workdir
+    from clients import agents_sdk, run_client, said
+
+    work = workdir(tmp_path / "work")
+    script_ = agents_sdk_script(work)
+    script_["rules"] = script_["rules"][:1]
+    model = build(tmp_path / "scripted", script_, family=family)
+    kinds = ["chat", "responses"] if family in ("harmony", "qwen3_coder") else ["chat"]
+    async with running_server(str(model), trust_remote_code=True,
+                              prefill_step_size=512) as (url, _):  # fmt: skip
+        port = int(url.rsplit(":", 1)[1])
+        for kind in kinds:
+            (work / "notes.txt").write_text("status: draft\n")
+            done = await run_client(*agents_sdk(LOOP, tmp_path, port, kind), work)
+            assert done.returncode == 0, said(done)
+            out = json.loads(done.stdout.decode().strip().splitlines()[-1])
+            assert out["final"].strip() == "Done: wrote 17 characters to notes.txt", (kind, out)
+            assert (work / "notes.txt").read_text() == "status: reviewed\n"
