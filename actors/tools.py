@@ -291,18 +291,6 @@ def _markup(call: Any) -> str:
     return f"{OPEN}{json.dumps({'name': fn['name'], 'arguments': parsed})}{CLOSE}"
 
 
-def written_arguments(body: str) -> str | None:
-    """The ``arguments`` value of a Hermes call body exactly as the model wrote
-    it (never parsed and written again: ``1E+400`` stays ``1E+400``, where a
-    float would print ``Infinity``, which is not JSON); None where the body is
-    not one such call."""
-    try:
-        ((_, args),) = BY_NAME["hermes"].parse(body, ())
-    except ValueError:
-        return None
-    return args
-
-
 @attrs.define
 class ToolScanner:
     """Splits a row's streamed text into content and tool calls (emitter-side):
@@ -362,10 +350,7 @@ class ToolScanner:
     def _whole(self, final: bool, cut: bool) -> tuple[str, list[ToolCall]]:
         """A family whose calls are the whole answer (Llama 3's JSON): text that
         starts like a call is held to the end, then read; any other is content."""
-        start = self.text.lstrip()
-        if self.shown or not (start == "" or start[0] == "{" or
-                              "<|python_tag|>".startswith(start[:14]) or
-                              start.startswith("<|python_tag|>")):  # fmt: skip
+        if self.shown or not _may_be_a_call(self.text.lstrip()):
             self.shown, out, self.text = True, self.text, ""
             return out, []
         if not final:
@@ -407,6 +392,13 @@ class ToolScanner:
         call = self.checked(name, body.strip())
         self.calls += call is not None
         return call
+
+
+def _may_be_a_call(start: str) -> bool:
+    """Whether an answer beginning ``start`` may be a Llama 3 call (JSON, perhaps
+    after ``<|python_tag|>``), so far."""
+    tag = "<|python_tag|>"
+    return start == "" or start.startswith(("{", tag)) or tag.startswith(start[: len(tag)])
 
 
 @attrs.define

@@ -123,15 +123,17 @@ async def responses(client: openai.AsyncOpenAI, stream: bool, **body) -> tuple[s
         reasoning = "".join(c.text for i in out if i.type == "reasoning" for c in i.content or ())
         calls = [(i.name, json.loads(i.arguments)) for i in out if i.type == "function_call"]
         return text, reasoning, calls
-    text, reasoning, calls = "", "", []
+    text, reasoning, calls = "", "", {}
     async for event in await client.responses.create(**body, stream=True):
         if event.type == "response.output_text.delta":
             text += event.delta
         elif event.type == "response.reasoning_text.delta":
             reasoning += event.delta
-        elif event.type == "response.output_item.done" and event.item.type == "function_call":
-            calls.append((event.item.name, json.loads(event.item.arguments)))
-    return text, reasoning, calls
+        elif event.type == "response.output_item.added" and event.item.type == "function_call":
+            calls[event.item.id] = [event.item.name, ""]
+        elif event.type == "response.function_call_arguments.delta":
+            calls[event.item_id][1] += event.delta
+    return text, reasoning, [(name, json.loads(args)) for name, args in calls.values()]
 
 
 async def messages(client: anthropic.AsyncAnthropic, stream: bool, **body) -> tuple:
