@@ -47,61 +47,39 @@ class Metric(enum.Enum):
     GENERATED_TOKENS = (Kind.COUNTER, "generated_tokens", "Tokens delivered to clients.")
     BATCH_FAULTS = (Kind.COUNTER, "batch_faults", "Batch steps that failed (every row errored).")
     ROW_FAULTS = (
-        Kind.COUNTER,
-        "row_faults",
-        "Rows ended by a fault in their own work (batch went on).",
+        Kind.COUNTER, "row_faults", "Rows ended by a fault in their own work (batch went on)."
     )
     DROPPED_STATS = (Kind.COUNTER, None, "Stats posts dropped: the stats mailbox was full.")
     OVERLOADED = (
-        Kind.COUNTER,
-        "requests_overloaded",
-        "Requests refused with 429: the queue was full.",
+        Kind.COUNTER, "requests_overloaded", "Requests refused with 429: the queue was full."
     )
     QUEUE_TIMEOUTS = (
-        Kind.COUNTER,
-        "queue_timeouts",
-        "Requests that waited past the queue timeout.",
+        Kind.COUNTER, "queue_timeouts", "Requests that waited past the queue timeout."
     )
     STALLS = (Kind.COUNTER, "gpu_stalls", "GPU calls that ran past the step timeout.")
     PROMPT_CACHE_HITS = (
-        Kind.COUNTER,
-        "prompt_cache_hits",
-        "Prompt-cache takes that found a prefix.",
+        Kind.COUNTER, "prompt_cache_hits", "Prompt-cache takes that found a prefix."
     )
     PROMPT_CACHE_MISSES = (
-        Kind.COUNTER,
-        "prompt_cache_misses",
-        "Prompt-cache takes that found none.",
+        Kind.COUNTER, "prompt_cache_misses", "Prompt-cache takes that found none."
     )
     PROMPT_CACHE_HIT_TOKENS = (
-        Kind.COUNTER,
-        "prompt_cache_hit_tokens",
-        "Prompt tokens served cached.",
+        Kind.COUNTER, "prompt_cache_hit_tokens", "Prompt tokens served cached."
     )
     PROMPT_CACHE_EVICTIONS = (
-        Kind.COUNTER,
-        "prompt_cache_evictions",
-        "Prompt-cache entries evicted from memory.",
+        Kind.COUNTER, "prompt_cache_evictions", "Prompt-cache entries evicted from memory."
     )
     PROMPT_CACHE_DISK_HITS = (
-        Kind.COUNTER,
-        "prompt_cache_disk_hits",
-        "Prompt-cache takes served from the disk tier.",
+        Kind.COUNTER, "prompt_cache_disk_hits", "Prompt-cache takes served from the disk tier."
     )
     PROMPT_CACHE_DISK_READ_BYTES = (
-        Kind.COUNTER,
-        "prompt_cache_disk_read_bytes",
-        "Bytes loaded from the disk tier.",
+        Kind.COUNTER, "prompt_cache_disk_read_bytes", "Bytes loaded from the disk tier."
     )
     PROMPT_CACHE_DISK_WRITES = (
-        Kind.COUNTER,
-        "prompt_cache_disk_writes",
-        "Entries written to the disk tier.",
+        Kind.COUNTER, "prompt_cache_disk_writes", "Entries written to the disk tier."
     )
     PROMPT_CACHE_DISK_WRITE_BYTES = (
-        Kind.COUNTER,
-        "prompt_cache_disk_write_bytes",
-        "Bytes written to the disk tier.",
+        Kind.COUNTER, "prompt_cache_disk_write_bytes", "Bytes written to the disk tier."
     )
     PROMPT_CACHE_DISK_EVICTIONS = (
         Kind.COUNTER, "prompt_cache_disk_evictions",
@@ -115,11 +93,11 @@ class Metric(enum.Enum):
         Kind.COUNTER, "prompt_cache_disk_dropped",
         "Entries not written: the write queue was full, the entry over the cap, or a write failed.",
     )  # fmt: skip
-    PREFILLED_TOGETHER = (Kind.COUNTER, "prefilled_together", "Rows prefilled in one padded batch.")
+    PREFILLED_TOGETHER = (
+        Kind.COUNTER, "prefilled_together", "Rows prefilled in one padded batch."
+    )
     KV_COPIED_BYTES = (
-        Kind.COUNTER,
-        "kv_copied_bytes",
-        "KV bytes copied by batch joins and leaves.",
+        Kind.COUNTER, "kv_copied_bytes", "KV bytes copied by batch joins and leaves."
     )
     REFILLED = (Kind.COUNTER, "joins_in_place", "Joiners written over a retired batch slot.")
     PAUSED = (
@@ -129,30 +107,30 @@ class Metric(enum.Enum):
     RESUMED = (Kind.COUNTER, "rows_resumed", "Paused rows that rejoined the batch.")
     # speculative decoding (actors/step/drafting.py), by drafter
     DRAFTED_PROMPT = (
-        Kind.COUNTER,
-        "draft_tokens_prompt",
-        "Draft tokens proposed by prompt lookup.",
+        Kind.COUNTER, "draft_tokens_prompt", "Draft tokens proposed by prompt lookup."
     )
-    ACCEPTED_PROMPT = (Kind.COUNTER, "draft_accepted_prompt", "Prompt-lookup draft tokens kept.")
+    ACCEPTED_PROMPT = (
+        Kind.COUNTER, "draft_accepted_prompt", "Prompt-lookup draft tokens kept."
+    )
     DRAFTED_SUFFIX = (
-        Kind.COUNTER,
-        "draft_tokens_suffix",
-        "Draft tokens proposed by the shared suffix index.",
+        Kind.COUNTER, "draft_tokens_suffix", "Draft tokens proposed by the shared suffix index."
     )
     ACCEPTED_SUFFIX = (
-        Kind.COUNTER,
-        "draft_accepted_suffix",
-        "Shared-suffix-index draft tokens kept.",
+        Kind.COUNTER, "draft_accepted_suffix", "Shared-suffix-index draft tokens kept."
     )
     DRAFTED_MODEL = (
-        Kind.COUNTER,
-        "draft_tokens_model",
-        "Draft tokens proposed by the draft model.",
+        Kind.COUNTER, "draft_tokens_model", "Draft tokens proposed by the draft model."
     )
     ACCEPTED_MODEL = (Kind.COUNTER, "draft_accepted_model", "Draft-model tokens kept.")
-    VERIFY_STEPS = (Kind.COUNTER, "verify_steps", "Decode steps that verified draft tokens.")
-    DECODE_TOKENS = (Kind.COUNTER, "decode_tokens", "Tokens read by continuous-lane decode steps.")
-    ROW_FORWARDS = (Kind.COUNTER, "row_forwards", "Rows read per decode step, summed over steps.")
+    VERIFY_STEPS = (
+        Kind.COUNTER, "verify_steps", "Decode steps that verified draft tokens."
+    )
+    DECODE_TOKENS = (
+        Kind.COUNTER, "decode_tokens", "Tokens read by continuous-lane decode steps."
+    )
+    ROW_FORWARDS = (
+        Kind.COUNTER, "row_forwards", "Rows read per decode step, summed over steps."
+    )
     # gauges (each has one writer: admission the rows, decode batch_*, prefill
     # prefill_*, serial serial_*)
     ACTIVE_ROWS = (Kind.GAUGE, "active_rows", "Requests admitted and not finished.")
@@ -164,9 +142,7 @@ class Metric(enum.Enum):
     SERIAL_KV_BYTES = (Kind.GAUGE, None, "KV bytes of the serial lane's row.")
     PAUSED_KV_BYTES = (Kind.GAUGE, None, "KV bytes the paused rows keep.")
     PADDING_WASTE = (
-        Kind.GAUGE,
-        "padding_waste_ratio",
-        "Fraction of the batch KV width that is padding.",
+        Kind.GAUGE, "padding_waste_ratio", "Fraction of the batch KV width that is padding."
     )
     PROMPT_CACHE_ENTRIES = (Kind.GAUGE, "prompt_cache_entries", "Prompt-cache entries.")
     PROMPT_CACHE_BYTES = (Kind.GAUGE, "prompt_cache_bytes", "Prompt-cache bytes.")
@@ -174,23 +150,21 @@ class Metric(enum.Enum):
         Kind.GAUGE, "prompt_cache_ceiling_bytes",
         "Most bytes the prompt cache may hold now: its cap, or what the budget leaves.",
     )  # fmt: skip
-    PROMPT_CACHE_DISK_ENTRIES = (Kind.GAUGE, "prompt_cache_disk_entries", "Disk-tier entries.")
+    PROMPT_CACHE_DISK_ENTRIES = (
+        Kind.GAUGE, "prompt_cache_disk_entries", "Disk-tier entries."
+    )
     PROMPT_CACHE_DISK_BYTES = (Kind.GAUGE, "prompt_cache_disk_bytes", "Disk-tier bytes.")
     PROMPT_CACHE_DISK_CAP = (
-        Kind.GAUGE,
-        "prompt_cache_disk_cap_bytes",
-        "The disk tier's size cap (0: off).",
+        Kind.GAUGE, "prompt_cache_disk_cap_bytes", "The disk tier's size cap (0: off)."
     )
     PROMPT_CACHE_DISK_PENDING = (
-        Kind.GAUGE,
-        "prompt_cache_disk_pending",
-        "Entries waiting to be written to disk.",
+        Kind.GAUGE, "prompt_cache_disk_pending", "Entries waiting to be written to disk."
     )
-    KV_PROJECTED_BYTES = (Kind.GAUGE, "kv_projected_bytes", "Worst-case KV of the admitted rows.")
+    KV_PROJECTED_BYTES = (
+        Kind.GAUGE, "kv_projected_bytes", "Worst-case KV of the admitted rows."
+    )
     QUEUE_OLDEST_WAIT = (
-        Kind.GAUGE,
-        "queue_oldest_wait_seconds",
-        "How long the oldest queued request has waited.",
+        Kind.GAUGE, "queue_oldest_wait_seconds", "How long the oldest queued request has waited."
     )
     # histograms
     TIME_TO_FIRST_TOKEN = (Kind.HISTOGRAM, "time_to_first_token_seconds", "Submit to first token.")

@@ -60,11 +60,7 @@ SCENARIOS: dict[str, list[tuple[str, int, int]]] = {
     # A row leaves, then others join: one into the slot it left (its prompt fits
     # the batch's width), one too long for it (the batch is compacted and extended).
     "refill": [
-        ("short", 0, 4),
-        ("sentence", 0, 30),
-        ("utf8", 0, 26),
-        ("short", 6, 8),
-        ("long", 10, 12),
+        ("short", 0, 4), ("sentence", 0, 30), ("utf8", 0, 26), ("short", 6, 8), ("long", 10, 12),
     ],
 }
 

@@ -129,7 +129,7 @@ def run_launch(parser: argparse.ArgumentParser, argv: list[str], client_args: li
     serve_argv = clients.serve_flags(given, {"--url": True})
     defaults = Settings(model=None)
     host, port = getattr(args, "host", defaults.host), getattr(args, "port", defaults.port)
-    url = args.url or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    url = (args.url or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}")
     try:
         return clients.launch(
             clients.CLIENTS[args.client], url.rstrip("/"), serve_argv, client_args, args.model,
@@ -203,7 +203,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def list_models(*, fetch: list[str] | None) -> int:
-    for model_id in [registry.DEFAULT.id] if fetch == [] else fetch or []:
+    for model_id in ([registry.DEFAULT.id] if fetch == [] else fetch or []):
         model = registry.REGISTRY.get(model_id)
         if model is None:
             known = ", ".join(registry.REGISTRY)

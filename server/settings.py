@@ -58,7 +58,9 @@ class Settings:
     # request cannot hold the server.
     keep_alive_timeout: float = setting(75.0, help="seconds an idle keep-alive connection is kept")
     max_header_bytes: int = setting(16 * 1024, help="most bytes of request line and headers")
-    body_timeout: float = setting(30.0, help="seconds for a request body to arrive, else 408")
+    body_timeout: float = setting(
+        30.0, help="seconds for a request body to arrive, else 408"
+    )
     prompt_as_sent: bool = setting(
         False, help="render Claude Code's Messages requests as sent: by default its "
         "attribution block (x-anthropic-billing-header: ..., which hashes the first user "

@@ -158,11 +158,9 @@ def test_a_verify_step_folds_the_query_heads_and_keeps_mlxs_numbers(case, monkey
     q, k, v = attention_inputs(rng, b, heads, kv_heads, length, keys)
     pads = mx.array(rng.integers(0, keys // 3, (b,)))
     causal = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None]
-    mask = (
-        "causal"
-        if kind == "causal"
-        else (causal & (mx.arange(keys) >= pads[:, None, None]))[:, None]
-    )
+    mask = "causal" if kind == "causal" else (causal & (mx.arange(keys) >= pads[:, None, None]))[
+        :, None
+    ]
     reached, softmax = [], cpu_softmax.softmax
     monkeypatch.setattr(cpu_softmax, "softmax", lambda s: reached.append(s.shape) or softmax(s))
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)

@@ -77,8 +77,7 @@ async def test_the_dashboard_shows_the_live_rows_and_updates_without_console_err
     assert "agent-" in dom, "rows show their client's request id"
     # rows are grouped under their session: each tree's head, then its rows
     assert set(re.findall(r'<tr class="session" data-session="([^"]+)"', dom)) == {
-        "tree-0",
-        "tree-1",
+        "tree-0", "tree-1"
     }, "the two trees' rows are grouped under them"
     # the memory and disk tiers' figures are filled in (the disk tier is on by default)
     for card in ("pc-evicted", "pd-entries", "pd-hits", "pd-io"):

@@ -129,14 +129,8 @@ async def test_tool_arguments_are_strict_json_as_the_model_wrote_them():
 
 
 async def test_a_call_cut_by_max_tokens_is_never_content():
-    weather = {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    }
+    weather = {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
     tool = {"type": "function", "function": weather}
     with trio.fail_after(60):
         async with running_server() as (url, _):
@@ -191,9 +185,8 @@ async def test_context_errors_are_worded_as_each_api_words_them():
                 message = r.json()["error"]["message"]
                 assert r.status_code == 400 and message.startswith("prompt is too long: ")
                 assert message.endswith(" tokens > 4096 maximum")
-                r = await http.post(
-                    "/v1/chat/completions", json={"messages": ASK, "max_tokens": 5000}
-                )
+                r = await http.post("/v1/chat/completions", json={"messages": ASK,
+                                                                  "max_tokens": 5000})
                 error = r.json()["error"]
                 assert r.status_code == 400 and error["code"] == "context_length_exceeded"
                 assert error["message"].startswith(
@@ -201,7 +194,8 @@ async def test_context_errors_are_worded_as_each_api_words_them():
                     f"requested {n + 5000} tokens ({n} in the messages, 5000 in the "
                     "completion). Please reduce the length of the messages or completion."
                 )
-                r = await http.post("/v1/responses", json={"input": ASK, "max_output_tokens": 5000})
+                r = await http.post("/v1/responses", json={"input": ASK,
+                                                           "max_output_tokens": 5000})
                 error = r.json()["error"]
                 assert error["code"] == "context_length_exceeded"
                 assert error["message"].startswith("Your input exceeds the context window")
@@ -214,9 +208,8 @@ async def test_refusals_are_counted_by_api_and_reason():
                 r = await http.post("/v1/messages", json={"messages": ASK, "max_tokens": 4,
                                                           "no_such_field": 1})  # fmt: skip
                 assert r.status_code == 400 and "no_such_field" in r.text
-                r = await http.post(
-                    "/v1/responses", json={"input": "hi", "previous_response_id": "r"}
-                )
+                r = await http.post("/v1/responses", json={"input": "hi",
+                                                           "previous_response_id": "r"})
                 assert r.status_code == 400
                 stats = (await http.get("/stats")).json()
                 metrics = (await http.get("/metrics")).text
@@ -225,7 +218,5 @@ async def test_refusals_are_counted_by_api_and_reason():
                        ("responses", 400, "invalid_request_error"): 1}  # fmt: skip
     refused = [r for r in stats["recent_requests"] if r["finish_reason"] == "refused"]
     assert [r["api"] for r in refused] == ["messages", "responses"]
-    assert (
-        'mlx_nursery_http_refusals_total{api="messages",reason="invalid_request_error",'
-        'status="400"} 1.0'
-    ) in metrics
+    assert ('mlx_nursery_http_refusals_total{api="messages",reason="invalid_request_error",'
+            'status="400"} 1.0') in metrics

@@ -46,8 +46,7 @@ TYPE_AGREEMENT = {
 }  # fmt: skip
 
 # A multilingual sample: the SentencePiece models train on it; HELD_OUT is new text.
-CORPUS = (
-    """The quick brown fox jumps over the lazy dog. Tokenizers split text into pieces.
+CORPUS = """The quick brown fox jumps over the lazy dog. Tokenizers split text into pieces.
 def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i, i * i)
 Der schnelle braune Fuchs springt über den faulen Hund. Grüße aus München!
 Le renard brun rapide saute par-dessus le chien paresseux. Où est la gare ?
@@ -57,9 +56,7 @@ El rápido zorro marrón salta sobre el perro perezoso. ¿Dónde está la estaci
 素早い茶色の狐が怠け者の犬を飛び越える。こんにちは世界。
 빠른 갈색 여우가 게으른 개를 뛰어넘습니다. 안녕하세요.
 Η γρήγορη καφέ αλεπού πηδά πάνω από τον τεμπέλη σκύλο.
-"""
-    * 4
-)
+""" * 4
 HELD_OUT = [
     "Hello world, this is a held-out sentence with numbers 12345 and symbols #@!",
     "  two leading spaces and   three inside\tand a tab\nand a newline",

@@ -55,7 +55,9 @@ async def test_claude_code_runs_unchanged(client_model, tmp_path):
     assert len(body["tools"]) >= 20 and body["max_tokens"] >= 32000 and body["stream"]
 
 
-async def test_claude_code_retries_with_less_output_after_the_context_error(client_model, tmp_path):
+async def test_claude_code_retries_with_less_output_after_the_context_error(
+    client_model, tmp_path
+):
     """With less context than it asks for, Claude Code reads Anthropic's
     context-limit wording and asks again with a smaller max_tokens."""
     client = claude_code(tmp_path / "home")

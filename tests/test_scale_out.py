@@ -221,9 +221,9 @@ def _assert_error_then_done(events: list) -> None:
         assert chunks[-1] == "[DONE]", chunks[-3:]
         last = json.loads(chunks[-2])
         assert "error" in last, last
-        assert (
-            "rank 1" in last["error"]["message"] or "shutting down" in last["error"]["message"]
-        ), last
+        assert "rank 1" in last["error"]["message"] or "shutting down" in last["error"][
+            "message"
+        ], last
 
 
 async def test_a_killed_follower_ends_every_stream_with_an_error():

@@ -172,13 +172,8 @@ async def test_rows_refilled_in_place_do_not_grow_the_batch_without_bound():
             await settle(engine)
             widths.append(engine.stats().kv_bytes)
     args = loaded(FAMILY)[0].args
-    position = (
-        2
-        * args.num_hidden_layers
-        * args.num_key_value_heads
-        * (args.hidden_size // args.num_attention_heads)
-        * 4
-    )  # K and V of one row, float32
+    position = 2 * args.num_hidden_layers * args.num_key_value_heads * (
+        args.hidden_size // args.num_attention_heads) * 4  # K and V of one row, float32
     assert engine.stats().refilled >= 60
     # rows of at most 44 positions; mlx-lm grows by 256, and a cut needs 256 shared
     assert max(widths) <= 3 * position * (44 + 3 * 256), max(widths) // (3 * position)

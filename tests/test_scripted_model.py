@@ -48,10 +48,7 @@ def test_mlx_lm_generate_follows_the_script_turn_by_turn(scripted):
         prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True)
         return generate(model, tokenizer, prompt, max_tokens=200)
 
-    assert (
-        answer(CALLED[:1])
-        == 'Looking.<tool_call>\n{"name": "Read", "arguments": {"path": "x"}}\n</tool_call>'
-    )
+    assert answer(CALLED[:1]) == 'Looking.<tool_call>\n{"name": "Read", "arguments": {"path": "x"}}\n</tool_call>'  # noqa: E501
     assert answer(CALLED) == "x says: hello there"
     assert answer([{"role": "user", "content": "hi"}]) == "ok"
 

