@@ -103,8 +103,9 @@ class Intake:
         return sampling, ids, boundary
 
     def place(self, params: SamplingParams) -> Lane:
-        """Serial when batching is off or impossible, or a seed asks for reproducibility."""
-        if self.settings.batch <= 1 or not self.info.batchable or params.seed is not None:
+        """Serial only when batching is off or impossible: a seeded row draws with
+        keys of its own (``SeededSampler``), so it batches like any row."""
+        if self.settings.batch <= 1 or not self.info.batchable:
             return Lane.SERIAL
         return Lane.CONTINUOUS
 

@@ -1,10 +1,11 @@
 """The serial lane: one request at a time, with mlx-lm's own ``generate_step``.
 
-Used for every request when the cap is 1 (the determinism pin), for requests
-with a user seed (reproducible sampling must not depend on batch neighbours),
-and for models whose caches cannot merge. Admission hands a row over only when
-the batch lane has drained, so the row has the GPU alone. One token per GPU
-call, so cancels and the event loop get a turn between tokens.
+Used for every request when the cap is 1 (the determinism pin), and for models
+whose caches cannot merge. A seeded row draws here as in the batch (its own keys,
+``step.slots.SeededSampler``), so a seed gives the same tokens on either lane.
+Admission hands a row over only when the batch lane has drained, so the row has
+the GPU alone. One token per GPU call, so cancels and the event loop get a turn
+between tokens.
 """
 
 from __future__ import annotations
@@ -49,8 +50,6 @@ class _Generation:
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
 
-        if row.params.seed is not None:
-            mx.random.seed(row.params.seed)
         sampler, processors = build_sampling(row.params)
         cached = hit.cached if hit.caches is not None else 0
         caches = hit.caches if cached else make_prompt_cache(model)

@@ -154,7 +154,7 @@ async def test_two_ranks_equal_mlx_lm_tensor_parallel_and_stop_on_sigterm():
                 for i in range(len(prompts)):
                     nursery.start_soon(staggered, i)
             hit = await complete(client, prompts[0])  # a prompt-cache hit
-            serial = await complete(client, prompts[1], seed=5)  # a seed: the serial lane
+            serial = await complete(client, prompts[1], seed=5)  # a seed: its own draws
             with trio.fail_after(10):  # the follower's figures come with its heartbeat
                 while True:
                     stats = (await client.get("/stats")).json()

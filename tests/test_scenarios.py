@@ -274,29 +274,43 @@ async def test_a_prefill_fault_fails_only_its_joiner():
     assert out["sentence"].tokens == cases["sentence"]["tokens"]
 
 
-async def test_a_seeded_request_drains_the_batch_and_keeps_fifo_order():
+async def test_a_seeded_row_joins_the_batch_and_draws_as_it_does_alone_and_serially():
+    """A seeded sampled row joins a running batch (its first token comes while its
+    neighbours decode) and samples the same tokens as alone, as on the serial
+    lane, whatever its neighbours draw; another seed draws otherwise."""
     cases = serial_cases()
-    log = []  # (what, name, engine time)
+    seeded = {"max_tokens": 24, "temperature": 1.0, "top_p": 0.95, "seed": 7}
+    prompt = cases["utf8"]["prompt_ids"]
+    async with checked_engine(FAMILY, batch=1) as engine:  # the serial lane
+        serial = (await engine.generate(prompt, **seeded)).tokens
+    log, out = [], {}
 
-    async def run(name, params):
-        async with engine.submit(cases[name]["prompt_ids"], **params) as stream:
-            first = True
-            async for _event in stream:
-                if first:
+    async def run(name, ids, params):
+        tokens = []
+        async with engine.submit(ids, **params) as stream:
+            async for event in stream:
+                if event.token is not None and not tokens:
                     log.append(("first", name, trio.current_time()))
-                    first = False
+                tokens += [event.token] if event.token is not None else []
         log.append(("end", name, trio.current_time()))
+        out[name] = tokens
 
-    async with checked_engine(FAMILY, batch=4) as engine, trio.open_nursery() as nursery:
-        nursery.start_soon(run, "sentence", {"max_tokens": 30})
-        nursery.start_soon(run, "chat", {"max_tokens": 30})
-        await engine.wait_step(5)
-        nursery.start_soon(run, "utf8", {"max_tokens": 10, "temperature": 0.8, "seed": 7})
-        await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(run, "short", {"max_tokens": 10})  # behind the seeded one: waits
+    async with checked_engine(FAMILY, batch=8) as engine:
+        alone = (await engine.generate(prompt, **seeded)).tokens
+        other = (await engine.generate(prompt, **{**seeded, "seed": 8})).tokens
+        async with trio.open_nursery() as nursery:
+            for i, name in enumerate(["sentence", "chat", "long", "short"]):
+                params = {"max_tokens": 40, "temperature": 1.0} if i % 2 else {"max_tokens": 40}
+                nursery.start_soon(run, name, cases[name]["prompt_ids"], params)
+            await engine.wait_step(3)
+            nursery.start_soon(run, "seeded", prompt, seeded)
+            for name in ("sentence", "chat"):  # more sampled neighbours, after it
+                nursery.start_soon(run, name + "+", cases[name]["prompt_ids"],
+                                   {"max_tokens": 30, "temperature": 1.0})  # fmt: skip
     at = {(what, name): t for what, name, t in log}
-    assert at[("first", "utf8")] >= max(at[("end", "sentence")], at[("end", "chat")])
-    assert at[("first", "short")] >= at[("end", "utf8")]
+    assert at[("first", "seeded")] < max(at[("end", n)] for n in ("sentence", "chat", "long"))
+    assert out["seeded"] == alone == serial
+    assert other != alone
 
 
 async def test_seeded_requests_are_reproducible():

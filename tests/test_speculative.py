@@ -547,10 +547,35 @@ def test_gate_times_a_plain_step_only_by_an_uninterrupted_period(monkeypatch):
     assert batch.verifier._plain_at is None
 
 
+async def test_wrong_drafts_leave_a_seeded_rows_draws_as_they_were(forced_drafts, monkeypatch):
+    """Every step drafts three tokens the row almost never draws, so a verify step
+    keeps the first of its draws and throws the others away: the row's next draw
+    is still its next token's own (``SeededSampler.keep``), and its tokens are the
+    plain steps' ones."""
+    case = golden("llama")["serial"][0]
+
+    def wrong(self, k: int) -> list[int]:
+        self.match = ("prompt", 3)
+        return [0, 0, 0][: min(k, self.limit)]
+
+    async def seeded(engine) -> list[list[int]]:
+        return [(await engine.generate(case["prompt_ids"], max_tokens=30, temperature=0.9,
+                                       seed=seed)).tokens for seed in (4, 5)]  # fmt: skip
+
+    async with checked_engine("llama", batch=8, speculative=False) as engine:
+        off = await seeded(engine)
+    monkeypatch.setattr(Drafter, "propose", wrong)
+    async with checked_engine("llama", batch=8) as engine:
+        on = await seeded(engine)
+        assert engine.stats().verify_steps >= 40
+    assert on == off
+
+
 async def test_seeded_rows_give_the_same_tokens_with_speculation_on_and_off(forced_drafts):
     """A seeded sampled row gives the same tokens with speculation on (every
-    step that can draft does) and off: seeded rows run on the serial lane,
-    which feeds one token a step, so their draws come in the same order."""
+    step that can draft does) and off: a seeded row draws its ``i``-th token with
+    its own key, so a verify step's draws at each position are the plain step's
+    draws there, and it keeps those its accepted drafts used."""
     case = golden("llama")["serial"][0]
 
     async def seeded(engine) -> list[list[int]]:
@@ -563,11 +588,15 @@ async def test_seeded_rows_give_the_same_tokens_with_speculation_on_and_off(forc
         return out
 
     async with checked_engine("llama", batch=8) as engine:
-        for _ in range(2):  # the second drafts from the first's text
-            await engine.generate(case["prompt_ids"], max_tokens=40)
-        assert engine.stats().verify_steps > 0
-        on = await seeded(engine)
+        first = await seeded(engine)  # their texts go to the shared index
+        before = engine.stats()
+        on = await seeded(engine)  # each drafts from its own earlier text
+        after = engine.stats()
+    # the seeded rows verified drafts, and kept most of them
+    assert after.verify_steps - before.verify_steps >= 3
+    kept = lambda st: st.accepted_prompt + st.accepted_suffix  # noqa: E731
+    assert kept(after) - kept(before) >= 60
     async with checked_engine("llama", batch=8, speculative=False) as engine:
         off = await seeded(engine)
-    assert on == off
+    assert on == first == off
     assert len({tuple(t) for t in on}) > 1  # the seeds matter

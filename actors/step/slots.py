@@ -10,16 +10,64 @@ from typing import Any
 import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import TokenBuffer
-from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+    make_sampler,
+)
 
 from ..request import SamplingParams, TopLogprob
 from .drafting import PACE_PRIOR, Drafter
 
 
+class SeededSampler:
+    """A seeded row's draws, whatever its neighbours and however its steps are cut:
+    its answer's ``i``-th token is drawn with a key of its own, made from the seed
+    and ``i`` (mlx-lm's sampling otherwise: the same top-p, min-p and top-k, then
+    a categorical draw at the temperature). A call draws the next token, or one a
+    position (a verify step's ``(1, L, vocab)``); :meth:`keep` then says how many
+    of those draws the row used, so the next call draws the token after them."""
+
+    def __init__(self, seed: int, params: SamplingParams):
+        self.seed = (seed >> 32, seed & 0xFFFFFFFF)
+        self.temp = params.temperature
+        self.top_p, self.min_p, self.top_k = params.top_p, params.min_p, params.top_k
+        self.drawn = 0  # the index of the next token to draw
+        self.began = 0  # where the last call's draws began
+
+    def key(self, i: int) -> mx.array:
+        hi, lo = self.seed
+        return mx.random.split(mx.array([(hi + i) & 0xFFFFFFFF, lo], mx.uint32))[0]
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, self.min_p, 1)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        flat = logprobs.reshape(-1, logprobs.shape[-1]) * (1 / self.temp)
+        self.began = self.drawn
+        draws = [mx.random.categorical(flat[i], key=self.key(self.drawn + i))
+                 for i in range(flat.shape[0])]  # fmt: skip
+        self.drawn += len(draws)
+        return mx.stack(draws).reshape(logprobs.shape[:-1])
+
+    def keep(self, used: int) -> None:
+        """Of the last call's draws, the row used the first ``used``."""
+        self.drawn = self.began + used
+
+
 def build_sampling(params: SamplingParams):
-    """mlx-lm's sampler and logits processors for one row (GPU thread: they hold arrays)."""
+    """mlx-lm's sampler and logits processors for one row (GPU thread: they hold
+    arrays); a seeded row's sampler draws with keys of its own."""
     if params.greedy:
         sampler = greedy_sampler  # one shared object: an all-greedy batch samples once
+    elif params.seed is not None:
+        sampler = SeededSampler(params.seed, params)
     else:
         sampler = make_sampler(
             params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k

@@ -26,7 +26,7 @@ from . import cpu_softmax, ragged
 from .batch import Batch
 from .calls import calls_begun
 from .drafting import Drafter, DraftModel, Gate, Matches, ModelDrafter, SharedIndex
-from .slots import Read, Sampled, Slot
+from .slots import Read, Sampled, SeededSampler, Slot
 
 
 @attrs.define(eq=False)
@@ -297,6 +297,8 @@ class Verifier:
                 ended = slot.counted(draft)
                 a += 1
             slot.drafter.drafted(len(offer.tokens), a)
+        if isinstance(slot.sampler, SeededSampler):
+            slot.sampler.keep(a + 1)  # the drafts it kept, and the token after them
         if slot.drafter is not None:
             slot.drafter.known(drawn[a])
         slot.pending_known = slot.drafter is not None
