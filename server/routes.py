@@ -29,11 +29,13 @@ from mlx_nursery.actors import (
     Result,
     SessionView,
 )
-from quart import Response, request
+from quart import Response, current_app, request
 
 from . import dashboard
 from .api.base import Api, ApiError, Parsed, Served, bad, dumps, sse
 from .api.messages import Messages, count_body
+from .api.openai import OpenAIApi
+from .choices import Choices, choice_request, sse_choices
 from .metrics import prometheus, stats_json
 from .request_log import record_of
 from .settings import Settings
@@ -96,6 +98,8 @@ class Routes:
         parsed = api.parse(await body_json(self.settings.body_timeout), request.headers)
         self._check_model(parsed)
         self.state.requests.adjusted.update(parsed.adjusted)
+        if parsed.n > 1:
+            return await self._choices(engine, parsed, api)
         stream = await self._start(engine, parsed, api)
         served = Served(self.state.model_id, engine.tokenizer, stream.prompt_tokens)
         if parsed.stream:
@@ -106,6 +110,39 @@ class Routes:
         if parsed.ignored_tools:
             response.headers["X-Ignored-Tools"] = ", ".join(parsed.ignored_tools)
         return response
+
+    async def _choices(self, engine: Engine, parsed: Parsed, api: OpenAIApi) -> Response:
+        """``n`` choices: a row each, queued together (a refusal of any is the
+        request's, and cancels those queued before it)."""
+        streams: list[RequestStream] = []
+        try:
+            for i in range(parsed.n):
+                one = attrs.evolve(parsed, request=choice_request(parsed.request, i))
+                streams.append(await self._start(engine, one, api))
+        except BaseException:
+            for stream in streams:
+                stream.cancel("another choice of its request was refused")
+            raise
+        served = Served(self.state.model_id, engine.tokenizer, streams[0].prompt_tokens)
+        if parsed.stream:
+            choices = Choices(streams).start(current_app.nursery)
+            shapers = api.choice_shapers(parsed, served, parsed.n)
+            return event_stream(sse_choices(choices, shapers, parsed.include_usage))
+        results: list[Result | None] = [None] * parsed.n
+        failed: list[ApiError] = []
+
+        async def read(i: int, stream: RequestStream) -> None:
+            try:
+                results[i] = await self._result(stream)
+            except ApiError as exc:
+                failed.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for i, stream in enumerate(streams):
+                nursery.start_soon(read, i, stream)
+        if failed:
+            raise failed[0]
+        return json_response(api.choices_body(parsed, results, served))
 
     async def count_tokens(self, api: Messages) -> Response:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt a message would have."""

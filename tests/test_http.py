@@ -133,7 +133,7 @@ ERROR_CASES = [
     (b"[1, 2]", 400, None),
     (json.dumps({"prompt": "hi", "max_tokens": "many"}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
-    (json.dumps({"prompt": "hi", "n": 2}).encode(), 400, "n"),
+    (json.dumps({"prompt": "hi", "n": 17}).encode(), 400, "n"),
     (json.dumps({"prompt": "hi", "stop": 5}).encode(), 400, "stop"),
     (json.dumps({"prompt": "", "max_tokens": 4}).encode(), 400, "prompt"),
     (json.dumps({"prompt": [1, 99999]}).encode(), 400, "prompt"),

@@ -73,6 +73,8 @@ class Parsed:
     # A flattened tool's name as the model sees it -> (namespace, name) as the
     # client knows it (Responses' namespace tools).
     tool_names: Mapping[str, tuple[str, str]] = attrs.field(factory=dict)
+    # Chat and text completions' ``n``: this many choices of the one prompt.
+    n: int = 1
 
     def field(self, param: str | None) -> str | None:
         if param == "session_weight":
@@ -160,7 +162,8 @@ def openai_context_error(exc: ContextOverflow, where: str, param: str | None) ->
 PING_SECONDS = 5.0  # a ping while the first token is not there yet (a long prefill)
 
 
-def _frames(shaper: Shaper, event: Event) -> tuple[bytes, bool]:
+def frames(shaper: Shaper, event: Event) -> tuple[bytes, bool]:
+    """One event's frames, and whether it ended the stream."""
     if event.terminal and not event.finish_reason.finished:
         return shaper.failed(event), True
     return shaper.event(event), event.terminal
@@ -185,14 +188,14 @@ async def sse(stream: RequestStream, shaper: Shaper) -> AsyncIterator[bytes]:
                 continue
             if event is _END:
                 break
-            body, ended = _frames(shaper, event)
+            body, ended = frames(shaper, event)
             while not ended:
                 try:
                     more = stream.next_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
-                frames, ended = _frames(shaper, more)
-                body += frames
+                later, ended = frames(shaper, more)
+                body += later
             if body:
                 yield body
     yield shaper.end()

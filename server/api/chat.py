@@ -102,7 +102,8 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
     stream, include_usage = stream_flags(body)
     ids = bool(check_bool(body, "return_token_ids"))
     request = request_of(rendered, params, headers, *session_hints(body))
-    return Parsed(request, stream, include_usage, model_of(body), fields, ids, ignored)
+    return Parsed(request, stream, include_usage, model_of(body), fields, ids, ignored,
+                  n=body.get("n") or 1)  # fmt: skip
 
 
 def chat_logprobs(tokenizer, tokens, logprobs, tops) -> dict:
@@ -144,7 +145,7 @@ class ChatShaper(ChunkShaper):
     calls: int = 0  # tool calls streamed so far (their indices)
 
     def text_choice(self, text: str) -> dict:
-        return {"index": 0, "delta": {"content": text}}
+        return {"index": self.index, "delta": {"content": text}}
 
     def choice(self, event: Event, finish: FinishReason | None, logprobs: dict | None) -> dict:
         delta: dict[str, Any] = {"content": event.text} if event.text or not finish else {}
@@ -154,7 +155,7 @@ class ChatShaper(ChunkShaper):
                 delta.pop("content", None)
         if not self.sent_role:
             delta["role"], self.sent_role = "assistant", True
-        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        return {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
 
     def logprobs(self, tokens: list[int], logprobs: list[float], tops: list) -> dict:
         return chat_logprobs(self.tokenizer, tokens, logprobs, tops)
@@ -173,7 +174,7 @@ class ChatShaper(ChunkShaper):
                 "tool_calls": [{"index": self.calls, "function": {"arguments": call.arguments}}]
             }
             for delta in (first, args):
-                out.append(self._wrap([{"index": 0, "delta": delta, "finish_reason": None,
+                out.append(self._wrap([{"index": self.index, "delta": delta, "finish_reason": None,
                                         "logprobs": None}]))  # fmt: skip
             self.calls += 1
         return out

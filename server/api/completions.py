@@ -38,7 +38,8 @@ def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> Par
     stream, include_usage = stream_flags(body)
     ids = bool(check_bool(body, "return_token_ids"))
     request = request_of(prompt, params, headers, *session_hints(body))
-    return Parsed(request, stream, include_usage, model_of(body), fields, ids)
+    return Parsed(request, stream, include_usage, model_of(body), fields, ids,
+                  n=body.get("n") or 1)  # fmt: skip
 
 
 def completion_logprobs(tokenizer, tokens, logprobs, tops, offset: int = 0) -> dict:
@@ -66,10 +67,11 @@ class CompletionShaper(ChunkShaper):
     chunk_object = "text_completion"
 
     def text_choice(self, text: str) -> dict:
-        return {"index": 0, "text": text}
+        return {"index": self.index, "text": text}
 
     def choice(self, event: Event, finish: FinishReason | None, logprobs: dict | None) -> dict:
-        return {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": logprobs}
+        return {"index": self.index, "text": event.text, "finish_reason": finish,
+                "logprobs": logprobs}  # fmt: skip
 
     def logprobs(self, tokens: list[int], logprobs: list[float], tops: list) -> dict:
         return completion_logprobs(self.tokenizer, tokens, logprobs, tops, self.offset)

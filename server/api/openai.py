@@ -88,13 +88,18 @@ def session_hints(body: Mapping[str, Any]) -> tuple:
     return (body.get("prompt_cache_key"), body.get("user"), body.get("safety_identifier"))
 
 
+MAX_CHOICES = 16  # ``n``: choices a request may ask for (each is a row)
+
+
 def common(body: Any) -> tuple[Mapping[str, Any], dict[str, Any], dict]:
     """The body, the SamplingParams keywords it gives, and the engine-name ->
     body-name map for errors."""
     body = object_body(body)
-    n = body.get("n")
-    if n is not None and (n != 1 or isinstance(n, bool)):
-        raise bad(f"'n' must be 1: this server returns one choice per request, got {n!r}", "n")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise bad(f"'n' must be an integer from 1 to {MAX_CHOICES}, got {n!r}", "n")
     params = {name: body[name] for name in _SAMPLING if body.get(name) is not None}
     fields = {}
     if body.get("max_completion_tokens") is not None:
@@ -164,7 +169,8 @@ class ChunkShaper(Shaper):
     parsed: Parsed
     model: str
     tokenizer: Any
-    id: str = attrs.field(init=False)
+    index: int = 0  # the choice this stream is (``n`` > 1: one shaper a choice)
+    id: str = attrs.field(default=None)  # the response's (choices share one)
     created: int = attrs.field(factory=lambda: int(time.time()))
     sent_role: bool = False
     offset: int = 0
@@ -174,7 +180,7 @@ class ChunkShaper(Shaper):
     _tail: bytes = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        self.id = new_id(self.id_prefix)
+        self.id = self.id or new_id(self.id_prefix)
         marker = "\x00"
         choice = {**self.text_choice(marker), "finish_reason": None, "logprobs": None}
         head, tail = sse_frame(self._wrap([choice])).split(json.dumps(marker).encode())
@@ -281,17 +287,41 @@ class OpenAIApi(Api):
         raise NotImplementedError
 
     def body(self, parsed: Parsed, result: Result, served: Served) -> dict:
-        choice = self.choice(result, served.tokenizer)
-        if parsed.token_ids:
-            choice["token_ids"] = list(result.tokens)
+        return self.choices_body(parsed, [result], served)
+
+    def choices_body(self, parsed: Parsed, results: list[Result], served: Served) -> dict:
+        """The response for ``n`` choices (``results[i]`` is choice ``i``); usage
+        counts the prompt once and every choice's completion."""
+        choices = []
+        for i, result in enumerate(results):
+            choice = {**self.choice(result, served.tokenizer), "index": i}
+            if parsed.token_ids:
+                choice["token_ids"] = list(result.tokens)
+            choices.append(choice)
         return {
             "id": new_id(self.shaper_class.id_prefix),
             "object": self.response_object,
             "created": int(time.time()),
             "model": served.model,
-            "choices": [choice],
-            "usage": usage_body(result.usage),
+            "choices": choices,
+            "usage": usage_body(usage_of_choices([r.usage for r in results])),
         }
 
     def shaper(self, parsed: Parsed, served: Served) -> ChunkShaper:
         return self.shaper_class(parsed, served.model, served.tokenizer)
+
+    def choice_shapers(self, parsed: Parsed, served: Served, n: int) -> list[ChunkShaper]:
+        """One shaper a choice, sharing the response's id; none sends usage (the
+        response's one usage chunk comes after every choice has ended)."""
+        quiet = attrs.evolve(parsed, include_usage=False)
+        first = self.shaper_class(quiet, served.model, served.tokenizer)
+        rest = [self.shaper_class(quiet, served.model, served.tokenizer, index=i, id=first.id)
+                for i in range(1, n)]  # fmt: skip
+        return [first, *rest]
+
+
+def usage_of_choices(usages: list[Usage]) -> Usage:
+    """Several choices of one prompt: the prompt (and its cache use) once, as the
+    first choice's; the completions added up."""
+    first = usages[0]
+    return attrs.evolve(first, completion_tokens=sum(u.completion_tokens for u in usages))
