@@ -50,9 +50,10 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("serve", nargs="*", help="more flags for the server (after --)")
     args = parser.parse_args()
     argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model", args.model,
-            "--batch", "8", "--log-level", "WARNING"]  # fmt: skip
+            "--batch", "8", "--log-level", "WARNING", *args.serve]  # fmt: skip
     together, apart = [], []
     with (
         Server("mlx-nursery", argv, free_port()) as server,
