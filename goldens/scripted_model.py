@@ -2,8 +2,10 @@
 keyed by the conversation, so real agent clients run real multi-step loops.
 
 It is a model like any other to the engine: its first cache, a plain ``KVCache``,
-holds the token ids as its values, so it prefills, batches, joins, leaves, is
-cached and restored, and speculates through the same paths as a trained model.
+holds the token ids as its values (and each one's position as its key, so a row
+whose keys a verify step's rollback moved is read back in order), so it
+prefills, batches, joins, leaves, is cached and restored, and speculates through
+the same paths as a trained model.
 What it reads is what attention would: a row's keys from its left padding on
 (where the batch cache records each row's start, as its mask does: padding and
 other rows' leftovers stay out), each query up to its own position; every query
@@ -427,9 +429,17 @@ class Model(nn.Module):
         cache = cache or self.make_cache()
         B, L = inputs.shape
         ids = (inputs.astype(mx.float32) * self.unit)[:, None, :, None]
-        _, values = cache[0].update_and_fetch(ids, ids)
+        # Each id's position beside it (its key, as a real model's rotated key
+        # carries it): a verify step's rollback moves a row's first keys to free
+        # slots (attention does not care where a key sits), and the script reads
+        # the row back in its order.
+        offset = cache[0].offset
+        start = offset[:, None] if isinstance(offset, mx.array) else mx.array([[offset]])
+        where = mx.broadcast_to(start + mx.arange(L)[None], (B, L)).astype(mx.float32)
+        keys, values = cache[0].update_and_fetch(where[:, None, :, None], ids)
         cost = self.body(inputs, cache=cache[1:]).sum() * 0 if self.args.body else 0
         held = np.array(values[:, 0, :, 0]).astype(np.int64)
+        at = np.array(keys[:, 0, :, 0])
         T = held.shape[1]
         # What attention would see: a row's keys from its left padding on (the
         # batch cache's record of where each row starts; what its mask masks),
@@ -439,5 +449,8 @@ class Model(nn.Module):
         logits = np.zeros((B, L, self.args.vocab_size), np.float32)
         for b in range(B):
             ends = (T - L - firsts[b]) + np.arange(L)
-            logits[b, np.arange(L), self.script.next_all(held[b, firsts[b] :], ends)] = SURE
+            row, order = held[b, firsts[b] :], at[b, firsts[b] :]
+            if np.any(np.diff(order) < 0):
+                row = row[np.argsort(order, kind="stable")]
+            logits[b, np.arange(L), self.script.next_all(row, ends)] = SURE
         return mx.array(logits) + cost  # the body is computed with the logits

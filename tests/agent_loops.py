@@ -78,8 +78,10 @@ sys.path.insert(0, str(GOLDENS))
 from make_scripted_model import build  # noqa: E402 (goldens/ on the path)
 
 
-def build_model(out: Path, script: dict, body: dict | None = None) -> str:
-    return str(build(out, script, body))
+def build_model(
+    out: Path, script: dict, body: dict | None = None, family: str | None = None
+) -> str:
+    return str(build(out, script, body, family))
 
 
 def claude(home: Path, port: int, prompt: str) -> tuple[list[str], dict]:

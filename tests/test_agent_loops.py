@@ -45,6 +45,7 @@ from clients import (
     said,
 )
 from conftest import free_port
+from family_fixtures import fetch as fetch_templates  # goldens/, on the path by agent_loops
 from mlx_nursery.server.clients import cache_dir
 
 pytestmark = pytest.mark.slow
@@ -52,9 +53,16 @@ pytestmark = pytest.mark.slow
 SHARED = 0.95  # the share of a prompt a warm request must find cached
 
 
-async def test_claude_code_fans_out_sub_agents_edits_a_file_and_shares_its_prompt(tmp_path):
+@pytest.mark.parametrize("family", [None, "qwen3_coder"])
+async def test_claude_code_fans_out_sub_agents_edits_a_file_and_shares_its_prompt(
+    family, tmp_path
+):
+    """Claude Code's loop; and as it runs against Qwen3-Coder, in its XML calls
+    and its own chat template."""
+    if family is not None and fetch_templates() is None:
+        pytest.skip("the family templates could not be fetched (no package registry)")
     work = workdir(tmp_path / "work")
-    model = build_model(tmp_path / "scripted", claude_script(work))
+    model = build_model(tmp_path / "scripted", claude_script(work), family=family)
     log = tmp_path / "requests.jsonl"
     async with recorded_server("--model", model, "--trust-remote-code", "--request-log", str(log),
                                "--prompt-cache-disk", "0") as rec:  # fmt: skip
@@ -96,9 +104,14 @@ async def test_claude_code_fans_out_sub_agents_edits_a_file_and_shares_its_promp
             assert after.cached_tokens >= SHARED * before.prompt_tokens, table(c)
 
 
-async def test_codex_reads_and_edits_a_file_in_its_shell(tmp_path):
+@pytest.mark.parametrize("family", [None, "harmony"])
+async def test_codex_reads_and_edits_a_file_in_its_shell(family, tmp_path):
+    """Codex's loop; and as it runs against gpt-oss, in Harmony (the model's
+    calls in its channels, gpt-oss's own chat template)."""
+    if family is not None and fetch_templates() is None:
+        pytest.skip("the family templates could not be fetched (no package registry)")
     work = workdir(tmp_path / "work")
-    model = build_model(tmp_path / "scripted", codex_script(work))
+    model = build_model(tmp_path / "scripted", codex_script(work), family=family)
     async with recorded_server("--model", model, "--trust-remote-code",
                                "--prompt-cache-disk", "0") as rec:  # fmt: skip
         argv = [sys.executable, "-m", "mlx_nursery.server.cli", "launch", "codex", "--url",
