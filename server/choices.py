@@ -14,6 +14,7 @@ its row.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator, Sequence
 
@@ -23,6 +24,8 @@ from mlx_nursery.actors import Event, Request, RequestStream
 
 from .api.base import frames, sse_frame
 from .api.openai import ChunkShaper, usage_of_choices
+
+log = logging.getLogger("mlx_nursery.server")
 
 
 def choice_request(request: Request, i: int) -> Request:
@@ -53,16 +56,23 @@ class Choices:
         return self
 
     async def _pumps(self) -> None:
+        """Runs in the app's nursery: nothing it meets may reach the app."""
         with self._scope:
-            async with self._send, trio.open_nursery() as nursery:
-                for i, stream in enumerate(self.streams):
-                    nursery.start_soon(self._pump, i, stream, self._send.clone())
+            try:
+                async with self._send, trio.open_nursery() as nursery:
+                    for i, stream in enumerate(self.streams):
+                        nursery.start_soon(self._pump, i, stream, self._send.clone())
+            except Exception:
+                log.exception("the choices of one response stopped being read")
 
     @staticmethod
     async def _pump(i: int, stream: RequestStream, send: trio.MemorySendChannel) -> None:
         async with send, stream:
-            async for event in stream:
-                await send.send((i, event))
+            try:
+                async for event in stream:
+                    await send.send((i, event))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the response is gone: leaving the stream cancels the row
 
     def close(self) -> None:
         """Stop reading: the pumps leave their streams, which cancels their rows."""
