@@ -115,6 +115,12 @@ class Emitter:
     to_admission: trio.MemorySendChannel  # Finish / Cancel for the row's owner
     think: tuple[str, str] | None = None  # the model's thinking markers
     _rows: dict[int, _Delivery] = attrs.field(factory=dict, init=False)
+    # gpt-oss: every row's text is read by its Harmony channels (known once, at start)
+    _harmony: bool = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        family = family_of(self.tokenizer)
+        self._harmony = family is not None and family.name == "harmony"
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with self.inbox, self.to_admission:
@@ -144,8 +150,7 @@ class Emitter:
         fmt = row.params.tool_format or GENERIC
         tools = ToolScanner(fmt, row.params.tools if scans else ())
         d = _Delivery(self.tokenizer.detokenizer, tools=tools if scans else None)
-        family = family_of(self.tokenizer)
-        if family is not None and family.name == "harmony":
+        if self._harmony:
             d.tools, d.harmony = tools, HarmonySplitter(tools.harmony_call)
         elif self.think is not None:
             d.thinking = ReasoningScanner(*self.think, inside=row.starts_thinking)

@@ -55,14 +55,15 @@ def _not_json(name: str) -> Any:
 DECODER = json.JSONDecoder(parse_constant=_not_json)  # strict: no NaN, no Infinity
 
 
-def json_object_at(text: str, at: int = 0) -> tuple[str, int]:
-    """The JSON object starting at ``text[at:]`` (leading whitespace skipped),
-    as the model wrote it, and where it ends; ValueError where there is none."""
+def json_object_at(text: str, at: int = 0) -> tuple[str, dict, int]:
+    """The JSON object starting at ``text[at:]`` (leading whitespace skipped):
+    as the model wrote it, decoded, and where it ends; ValueError where there is
+    none."""
     start = len(text) - len(text[at:].lstrip())
     value, end = DECODER.raw_decode(text, start)
     if not isinstance(value, dict):
         raise ValueError("the arguments are not a JSON object")
-    return text[start:end], end
+    return text[start:end], value, end
 
 
 # -- parsers ------------------------------------------------------------------
@@ -84,12 +85,26 @@ def _pairs(found: Any) -> Parsed:
     return [(c["name"], c.get("arguments", {})) for c in found]
 
 
+def _covering(pattern: re.Pattern, text: str) -> list[re.Match]:
+    """The matches of ``pattern`` that, with blank space between them, are all
+    of ``text``; ValueError where anything else is there."""
+    found, at = [], 0
+    for match in pattern.finditer(text):
+        if text[at : match.start()].strip():
+            raise ValueError("text between the parts of a block")
+        found.append(match)
+        at = match.end()
+    if text[at:].strip():
+        raise ValueError("text after the parts of a block")
+    return found
+
+
 def _parse_pairs(pattern: re.Pattern, name_of: Callable[[str], str]) -> Callable:
     """Blocks holding one or more ``pattern`` matches, each (name part, JSON)."""
 
     def parse(body: str, tools: Sequence) -> Parsed:
-        found = [(name_of(m.group(1)), _whole_json(m.group(2))) for m in pattern.finditer(body)]
-        if not found or pattern.sub("", body).strip():
+        found = [(name_of(m.group(1)), _whole_json(m.group(2))) for m in _covering(pattern, body)]
+        if not found:
             raise ValueError("not a block of calls")
         return found
 
@@ -97,7 +112,7 @@ def _parse_pairs(pattern: re.Pattern, name_of: Callable[[str], str]) -> Callable
 
 
 def _whole_json(text: str) -> str:
-    args, end = json_object_at(text)
+    args, _, end = json_object_at(text)
     if text[end:].strip():
         raise ValueError("text after the arguments")
     return args
@@ -131,8 +146,7 @@ def _parse_objects(body: str, key: str, separators: str = ";") -> Parsed:
             at += 1
         if at == len(text):
             break
-        whole, end = json_object_at(text, at)
-        obj = json.loads(whole)
+        whole, obj, end = json_object_at(text, at)
         name, args = obj.get("name"), obj.get(key, obj.get("arguments", {}))
         extra = set(obj) - {"name", key, "arguments"}
         if not isinstance(name, str) or not isinstance(args, dict) or extra:
@@ -179,15 +193,8 @@ _MINIMAX_PARAM = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>', r
 
 def _xml_pairs(text: str, pattern: re.Pattern, name: str, tools: Sequence) -> dict:
     """Key-value pairs that are all of ``text`` (but blank space)."""
-    args, at = {}, 0
-    for match in pattern.finditer(text):
-        if match.start() != at:
-            raise ValueError("text between the parameters")
-        args[match.group(1)] = _xml_value(match.group(2), name, match.group(1), tools)
-        at = match.end()
-    if text[at:].strip():
-        raise ValueError("text after the parameters")
-    return args
+    return {m.group(1): _xml_value(m.group(2), name, m.group(1), tools)
+            for m in _covering(pattern, text)}  # fmt: skip
 
 
 def _parse_glm(body: str, tools: Sequence) -> Parsed:
@@ -202,15 +209,9 @@ def _parse_glm(body: str, tools: Sequence) -> Parsed:
 
 def _parse_minimax(body: str, tools: Sequence) -> Parsed:
     """``<invoke name="N"><parameter name="K">V</parameter>...</invoke>``, one or more."""
-    found = []
-    at = 0
-    for match in _MINIMAX_INVOKE.finditer(body):
-        if match.start() != at:
-            raise ValueError("text between the calls")
-        name = match.group(1)
-        found.append((name, _xml_pairs(match.group(2), _MINIMAX_PARAM, name, tools)))
-        at = match.end()
-    if not found or body[at:].strip():
+    found = [(m.group(1), _xml_pairs(m.group(2), _MINIMAX_PARAM, m.group(1), tools))
+             for m in _covering(_MINIMAX_INVOKE, body)]  # fmt: skip
+    if not found:
         raise ValueError("not a MiniMax block")
     return found
 
@@ -275,11 +276,15 @@ def _raw(schema: Mapping, until: str) -> str | None:
     return _regex(f"[^<]{count}" + "".join("\\n" if c == "\n" else re.escape(c) for c in until))
 
 
+def _xml_param(head: str, schema: Mapping, closing: str) -> str:
+    """One XML parameter: its ``head``, its value (raw, or JSON), ``closing``."""
+    raw = _raw(schema, closing)
+    return f"{head} {raw}" if raw else f"{head} {_json(schema)} {_quoted(closing)}"
+
+
 def _qwen3_coder(tools: Sequence, parallel: bool, lit: Lit) -> str:
     def param(key: str, schema: Mapping) -> str:
-        head = _quoted(f"<parameter={key}>\n")
-        raw = _raw(schema, "\n</parameter>\n")
-        return f"{head} {raw}" if raw else f'{head} {_json(schema)} "\\n</parameter>\\n"'
+        return _xml_param(_quoted(f"<parameter={key}>\n"), schema, "\n</parameter>\n")
 
     def call(tool: Mapping) -> str:
         head = _quoted("\n<function=" + _name(tool) + ">\n")
@@ -303,9 +308,7 @@ def _minimax(tools: Sequence, parallel: bool, lit: Lit) -> str:
     """Every call in one block: ``<invoke>`` after ``<invoke>``."""
 
     def param(key: str, schema: Mapping) -> str:
-        head = _quoted(f'<parameter name="{key}">')
-        raw = _raw(schema, "</parameter>\n")
-        return f"{head} {raw}" if raw else f'{head} {_json(schema)} "</parameter>\\n"'
+        return _xml_param(_quoted(f'<parameter name="{key}">'), schema, "</parameter>\n")
 
     def call(tool: Mapping) -> str:
         head = _quoted('<invoke name="' + _name(tool) + '">\n')

@@ -138,14 +138,14 @@ class Intake:
             )
         if calls is not None:
             closing = self.lit(self.info.think[1]) if thinking and self.info.think else None
-            grammar, params = self._compile_tools(
-                params, lambda tools: after(closing, call_grammar(
+            grammar = self._compile_tools(
+                params.tools, lambda tools: after(closing, call_grammar(
                     tools, params.tool_choice, params.parallel_tool_calls, fmt, self.lit))
             )  # fmt: skip
         elif either:
             schema = loosened_schema(self.ll_tokenizer, schema)
-            grammar, params = self._compile_tools(
-                params, lambda tools: calls_or_answer_grammar(
+            grammar = self._compile_tools(
+                params.tools, lambda tools: calls_or_answer_grammar(
                     tools, params.parallel_tool_calls, fmt, schema, self.lit)
             )  # fmt: skip
         else:
@@ -153,23 +153,20 @@ class Intake:
         mask = GrammarMask(self.ll_tokenizer, grammar, self.info.vocab_size)
         return attrs.evolve(params, logits_processors=(*params.logits_processors, mask))
 
-    def _compile_tools(
-        self, params: SamplingParams, lark: Callable[[tuple], str]
-    ) -> tuple[str, SamplingParams]:
+    def _compile_tools(self, tools: tuple, lark: Callable[[tuple], str]) -> str:
         """The grammar over the tools' schemas. Keywords the grammar engine cannot
         compile (``propertyNames``, ...) are left out of the constraint, not the
         request: the constraint is what compiles, and calls are checked against
         the full schemas when they are parsed (every call is)."""
-        tools = params.tools
         for _ in range(8):
             try:
-                return compile_lark(self.ll_tokenizer, lark(tools), "tools"), params
+                return compile_lark(self.ll_tokenizer, lark(tools), "tools")
             except InvalidRequest as exc:
                 keys = unimplemented_keys(str(exc))
                 if not keys:
                     raise
                 tools = loosen_tools(tools, keys)
-        return compile_lark(self.ll_tokenizer, lark(tools), "tools"), params
+        return compile_lark(self.ll_tokenizer, lark(tools), "tools")
 
     def _constrain_opened_calls(self, params: SamplingParams) -> SamplingParams:
         """Under ``auto``, a call the model opens is constrained to the tools' schemas."""
@@ -178,8 +175,8 @@ class Intake:
         fmt = params.tool_format
         if body_grammar(params.tools, fmt) is None:
             return params
-        grammar, params = self._compile_tools(
-            params, lambda tools: body_grammar(tools, fmt, self.lit)
+        grammar = self._compile_tools(
+            params.tools, lambda tools: body_grammar(tools, fmt, self.lit)
         )
         mask = OpenedCallMask(
             self.ll_tokenizer, self.tokenizer, grammar, fmt.open, self.info.vocab_size

@@ -304,32 +304,23 @@ def _chatml(reasoning: str, text: str, calls: list, opened: bool) -> str:
     )
 
 
+def _xml(call: dict, each: str) -> str:
+    """A call's arguments in XML, each as ``each`` writes it (``{k}``, ``{v}``)."""
+    return "".join(each.format(k=k, v=_value(v)) for k, v in call["arguments"].items())
+
+
 def _qwen3_coder(reasoning: str, text: str, calls: list, opened: bool) -> str:
     think = f"<think>\n{reasoning}\n</think>\n\n" if reasoning else ""
-    blocks = [
-        "<tool_call>\n<function={}>\n{}</function>\n</tool_call>".format(
-            c["name"],
-            "".join(
-                f"<parameter={k}>\n{_value(v)}\n</parameter>\n" for k, v in c["arguments"].items()
-            ),
-        )
-        for c in calls
-    ]
+    each = "<parameter={k}>\n{v}\n</parameter>\n"
+    blocks = [f"<tool_call>\n<function={c['name']}>\n{_xml(c, each)}</function>\n</tool_call>"
+              for c in calls]  # fmt: skip
     return think + text + ("\n\n" if text and calls else "") + "\n".join(blocks) + "<|im_end|>"
 
 
 def _glm(reasoning: str, text: str, calls: list, opened: bool) -> str:
     think = f"\n<think>{reasoning}</think>" if reasoning else ""
-    blocks = [
-        "<tool_call>{}\n{}</tool_call>".format(
-            c["name"],
-            "".join(
-                f"<arg_key>{k}</arg_key>\n<arg_value>{_value(v)}</arg_value>\n"
-                for k, v in c["arguments"].items()
-            ),
-        )
-        for c in calls
-    ]
+    each = "<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n"
+    blocks = [f"<tool_call>{c['name']}\n{_xml(c, each)}</tool_call>" for c in calls]
     end = "<|observation|>" if calls else "<|user|>"
     return think + ("\n" + text if text else "") + "".join("\n" + b for b in blocks) + end
 
@@ -340,16 +331,8 @@ def _minimax(reasoning: str, text: str, calls: list, opened: bool) -> str:
         if reasoning
         else ("</think>\n\n" if opened else "")
     )
-    invokes = "".join(
-        '<invoke name="{}">\n{}</invoke>\n'.format(
-            c["name"],
-            "".join(
-                f'<parameter name="{k}">{_value(v)}</parameter>\n'
-                for k, v in c["arguments"].items()
-            ),
-        )
-        for c in calls
-    )
+    each = '<parameter name="{k}">{v}</parameter>\n'
+    invokes = "".join(f'<invoke name="{c["name"]}">\n{_xml(c, each)}</invoke>\n' for c in calls)
     block = f"\n<minimax:tool_call>\n{invokes}</minimax:tool_call>" if calls else ""
     return think + text + block + "[e~["
 

@@ -59,6 +59,22 @@ def codex_script(work: Path) -> dict:
     ]}], "default": {"text": "ok"}}  # fmt: skip
 
 
+# The Agents SDK loops' function tools (a script body for ``clients.agents_sdk``).
+FILE_TOOLS = """
+@function_tool
+def read_file(path: str) -> str:
+    "A file's text."
+    return Path(path).read_text()
+
+
+@function_tool
+def write_file(path: str, content: str) -> str:
+    "Write a file."
+    Path(path).write_text(content)
+    return f"wrote {len(content)} characters to {Path(path).name}"
+"""
+
+
 def agents_sdk_script(work: Path) -> dict:
     """The Agents SDK's loop: read notes.txt, write it back reviewed, answer; and a
     structured verdict."""

@@ -23,6 +23,7 @@ import httpx
 import pytest
 from agent_loops import (
     FAN_OUT,
+    FILE_TOOLS,
     agents_sdk_script,
     build_model,
     claude,
@@ -136,19 +137,7 @@ async def test_codex_reads_and_edits_a_file_in_its_shell(family, tmp_path):
         assert cached >= SHARED * before, usage
 
 
-AGENT = """
-@function_tool
-def read_file(path: str) -> str:
-    "A file's text."
-    return Path(path).read_text()
-
-
-@function_tool
-def write_file(path: str, content: str) -> str:
-    "Write a file."
-    Path(path).write_text(content)
-    return f"wrote {len(content)} characters to {Path(path).name}"
-
+AGENT = FILE_TOOLS + """
 
 async def main(url, kind):
     model = sdk_model(url, kind, "scripted")

@@ -431,18 +431,6 @@ def test_a_template_only_mlx_lm_knows_is_read_by_its_parser():
 
 
 LOOP = """
-@function_tool
-def read_file(path: str) -> str:
-    "A file's text."
-    return Path(path).read_text()
-
-
-@function_tool
-def write_file(path: str, content: str) -> str:
-    "Write a file."
-    Path(path).write_text(content)
-    return f"wrote {len(content)} characters to {Path(path).name}"
-
 
 async def main(url, kind):
     agent = Agent(name="editor", instructions="Edit files.", tools=[read_file, write_file],
@@ -457,7 +445,7 @@ async def test_the_agents_sdk_runs_its_loop_on_every_family(family, templates, t
     """A real client's multi-step loop (read a file, write it, answer) where each
     step's call is written in the family's own markup and its result goes back
     through the family's template; Harmony and Qwen3-Coder also through Responses."""
-    from agent_loops import agents_sdk_script, workdir
+    from agent_loops import FILE_TOOLS, agents_sdk_script, workdir
     from clients import agents_sdk, run_client, said
 
     work = workdir(tmp_path / "work")
@@ -470,7 +458,7 @@ async def test_the_agents_sdk_runs_its_loop_on_every_family(family, templates, t
         port = int(url.rsplit(":", 1)[1])
         for kind in kinds:
             (work / "notes.txt").write_text("status: draft\n")
-            done = await run_client(*agents_sdk(LOOP, tmp_path, port, kind), work)
+            done = await run_client(*agents_sdk(FILE_TOOLS + LOOP, tmp_path, port, kind), work)
             assert done.returncode == 0, said(done)
             out = json.loads(done.stdout.decode().strip().splitlines()[-1])
             assert out["final"].strip() == "Done: wrote 17 characters to notes.txt", (kind, out)
