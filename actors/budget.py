@@ -35,6 +35,9 @@ class LayerCost:
     granule: int = 256  # tokens a full layer allocates at a time
     window: int = 0  # window layers: tokens kept
     fixed: int = 0  # state layers: bytes
+    # Full layers under --kv-bits: bytes per token once quantized, from this length on.
+    quantized: float = 0.0
+    quantized_from: int | None = None
 
     def bytes_for(self, tokens: int, prefill_step: int) -> int:
         if self.kind is LayerKind.STATE:
@@ -42,11 +45,16 @@ class LayerCost:
         held = -(-tokens // self.granule) * self.granule
         if self.kind is LayerKind.WINDOW:
             held = min(held, self.window + prefill_step)
+        if self.quantized_from is not None and tokens >= self.quantized_from:
+            return int(held * self.quantized)
         return int(held * self.per_token)
 
 
-def probe(model: Any) -> tuple[LayerCost, ...]:
-    """Per-layer costs, read from one token through fresh caches (GPU thread)."""
+def probe(model: Any, kv: Any = None) -> tuple[LayerCost, ...]:
+    """Per-layer costs, read from one token through fresh caches (GPU thread).
+    With ``kv`` (a ``KvBits``), full layers also say what a token costs once
+    quantized, and from which length (a row shorter than that stays float; one
+    in a quantized batch costs less than projected)."""
     import mlx.core as mx
     from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
@@ -54,13 +62,19 @@ def probe(model: Any) -> tuple[LayerCost, ...]:
     model(mx.array([[0]]), cache=caches)
     mx.eval([c.state for c in caches])
 
-    def cost(c) -> list[LayerCost]:
+    def cost(c, top: bool = True) -> list[LayerCost]:
         if isinstance(c, CacheList):
-            return [x for sub in c.caches for x in cost(sub)]
+            return [x for sub in c.caches for x in cost(sub, top=False)]
         if isinstance(c, RotatingKVCache):
             return [LayerCost(LayerKind.WINDOW, c.nbytes / c.keys.shape[2], window=c.max_size)]
         if isinstance(c, KVCache):
-            return [LayerCost(LayerKind.FULL, c.nbytes / c.keys.shape[2], granule=KVCache.step)]
+            full = LayerCost(LayerKind.FULL, c.nbytes / c.keys.shape[2], granule=KVCache.step)
+            if kv is None or not top:  # quantized only where mlx-lm would (a top layer)
+                return [full]
+            kv.check([c.keys.shape[3], c.values.shape[3]])
+            q = kv.quantized(c)
+            per = q.nbytes / q.keys[0].shape[2]
+            return [attrs.evolve(full, quantized=per, quantized_from=kv.start)]
         return [LayerCost(LayerKind.STATE, 0.0, fixed=c.nbytes)]
 
     return tuple(x for c in caches for x in cost(c))

@@ -33,6 +33,7 @@ from .stats import Count, Gauge, Metric, Observe, Stats
 from .step.batch import Batch
 from .step.drafting import DRAFTERS
 from .step.kv import fit
+from .step.quantized import KvBits
 from .step.slots import Read
 from .step.verify import Speculation, Verifier
 
@@ -151,6 +152,7 @@ class Decode:
     to_admission: trio.MemorySendChannel
     to_prompt_cache: trio.MemorySendChannel | None
     speculation: Speculation | None = None  # drafting (None: plain steps only)
+    kv: KvBits | None = None  # KV quantization (docs/quantized-kv.md)
     _batch: Batch = attrs.field(init=False)
     # DECODING rows in batch order; None: a retired slot (see step.batch.Batch.retire).
     _rows: list[Row | None] = attrs.field(factory=list, init=False)
@@ -165,7 +167,7 @@ class Decode:
 
     def _new_batch(self) -> Batch:
         verifier = None if self.speculation is None else Verifier(self.speculation)
-        return Batch(self.model, verifier=verifier)
+        return Batch(self.model, verifier=verifier, kv=self.kv)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with closing(self.inbox, self.to_emitter, self.to_admission, self.to_prompt_cache):
@@ -409,6 +411,7 @@ class Decode:
     def _report(self, kv_bytes: int, padding_waste: float) -> None:
         self.stats.post(
             Gauge(Metric.BATCH_KV_BYTES, kv_bytes),
+            Gauge(Metric.BATCH_KV_TOKENS, sum(len(r.prompt) + len(r.tokens) for r in self._live())),
             Gauge(Metric.DECODING_ROWS, len(self._live())),
             Gauge(Metric.PADDING_WASTE, padding_waste),
         )

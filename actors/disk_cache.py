@@ -46,16 +46,16 @@ import attrs
 import mlx.core as mx
 import numpy as np
 import trio
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import (
-    KVCache,
     can_trim_prompt_cache,
     load_prompt_cache,
     save_prompt_cache,
 )
 
 from .paths import cache_root, sha256
-from .step.kv import clone
+from .step.kv import SOLO, clone
+from .step.quantized import first
 
 log = logging.getLogger("mlx_nursery.engine")
 
@@ -126,12 +126,17 @@ def model_identity(model: Any) -> tuple[str, str]:
 
 
 async def open_tier(
-    gpu: Any, model: Any, model_id: str, folder: str | None, cap: int | None
+    gpu: Any, model: Any, model_id: str, folder: str | None, cap: int | None, kv: Any = None
 ) -> DiskTier | None:
     """The disk tier for ``model``: its identity (GPU thread), its folder indexed
     (a worker thread), bad files removed, the cap applied. None, with a log line,
-    when the folder cannot be used: the engine then runs on memory alone."""
+    when the folder cannot be used: the engine then runs on memory alone. Under
+    ``kv`` (a ``KvBits``) entries hold quantized KV: the identity and the default
+    folder name the precision, so a hit is always of the precision served."""
     identity, dtype = await gpu.call_here(model_identity, model)
+    if kv is not None:
+        tag = f"kv{kv.bits}-g{kv.group_size}-s{kv.start}"
+        identity, dtype = f"{identity}-{tag}", f"{dtype}-{tag}"
     try:
         tier = await trio.to_thread.run_sync(_open, folder, model_id, dtype, identity, cap)
     except OSError as exc:
@@ -173,12 +178,10 @@ def freeze(caches: Sequence[Any]) -> Frozen | None:
         return None
     out = []
     for c in caches:
-        if type(c) is KVCache and c.keys is not None and c.offset < c.keys.shape[2]:
-            f = KVCache()
-            f.keys, f.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
-            f.offset = c.offset
-        else:
-            f = clone(c)
+        f = clone(c)
+        if type(c) in SOLO and c.keys is not None and c.offset < first(c.keys).shape[2]:
+            n = c.offset
+            f.keys, f.values = tree_map(lambda a, n=n: a[..., :n, :], (c.keys, c.values))
         out.append(f)
     mx.eval([f.state for f in out])
     return Frozen(out, sum(f.nbytes for f in out), can_trim_prompt_cache(out))

@@ -43,7 +43,7 @@ from .request import Prompt, Request, Result
 from .row import Cancel, Phase, Row, RowView, SessionView, sessions, tree, view
 from .serial import Serial
 from .settings import EngineSettings
-from .stats import Count, Metric, Mode, Stats, StatsSnapshot
+from .stats import Count, KvPrecision, Metric, Mode, Stats, StatsSnapshot
 from .step.drafting import DraftModel
 from .step.verify import Speculation
 from .stream import RequestStream
@@ -351,8 +351,13 @@ async def _load(
     sharded = group is not None and group.size() > 1
     loaded, tokenizer, info = await gpu.call_here(
         load_model, model, settings.dtype, group, settings.ragged_attention,
-        settings.cpu_softmax, settings.trust_remote_code,
+        settings.cpu_softmax, settings.trust_remote_code, settings.kv,
     )  # fmt: skip
+    if sharded and settings.kv is not None:
+        raise InvalidRequest(
+            "--kv-bits is not served across ranks yet (followers keep float KV): run the "
+            "sharded engine without it", param="kv_bits",
+        )  # fmt: skip
     if sharded and group.rank() != 0:
         await gpu.call_here(follow, loaded, group)
         return None
@@ -386,13 +391,14 @@ async def _build(gpu: Gpu, loaded: _Loaded) -> tuple[Engine, list[Any]]:
         budget = auto_budget(info.weights_bytes)
     stats = Stats(
         configured=settings.batch, mode=_mode(settings.batch, info.batchable),
-        kv_budget_bytes=budget,
+        kv_budget_bytes=budget, kv_precision=_precision(settings, info),
     )  # fmt: skip
     disk = None
     if settings.prompt_cache_size and settings.prompt_cache_disk != 0 and not loaded.sharded:
         disk = await disk_cache.open_tier(
-            gpu, loaded.model, info.id, settings.prompt_cache_dir, settings.prompt_cache_disk
-        )
+            gpu, loaded.model, info.id, settings.prompt_cache_dir, settings.prompt_cache_disk,
+            settings.kv,
+        )  # fmt: skip
     actors, to_admission, admitter = _wire(loaded, budget, gpu, stats, disk)
     if loaded.sharded:
         actors.append(RankWatch(gpu.replica, gpu))
@@ -404,6 +410,18 @@ async def _build(gpu: Gpu, loaded: _Loaded) -> tuple[Engine, list[Any]]:
         gpu, cache_actor,
     )  # fmt: skip
     return engine, actors
+
+
+def _precision(settings: EngineSettings, info: ModelInfo) -> KvPrecision:
+    """The KV's precision and its bytes per token, from the model's probe: a
+    quantized token where the layer would be quantized, else a float one."""
+    floats = sum(c.per_token for c in info.kv_costs)
+    kv = settings.kv
+    if kv is None:
+        return KvPrecision(None, None, None, floats, floats)
+    token = sum(c.quantized if c.quantized_from is not None else c.per_token
+                for c in info.kv_costs)  # fmt: skip
+    return KvPrecision(kv.bits, kv.group_size, kv.start, token, floats)
 
 
 @attrs.frozen
@@ -499,8 +517,16 @@ def _wire(
     actors: list[Any] = [
         stats,
         emitter_actor,
-        Decode(model, gpu, stats, inbox=boxes.dec.inbox, speculation=speculation, **boxes.ends()),
-        Serial(model, gpu, stats, steps, inbox=boxes.ser.inbox, **boxes.ends()),
+        Decode(
+            model,
+            gpu,
+            stats,
+            inbox=boxes.dec.inbox,
+            speculation=speculation,
+            kv=settings.kv,
+            **boxes.ends(),
+        ),
+        Serial(model, gpu, stats, steps, inbox=boxes.ser.inbox, kv=settings.kv, **boxes.ends()),
         PrefillActor(
             model,
             gpu,
@@ -508,7 +534,8 @@ def _wire(
             steps,
             inbox=boxes.pre.inbox,
             to_decode=boxes.dec.clone(),
-            together=info.padded_prefill,
+            together=info.padded_prefill and settings.kv is None,
+            kv=settings.kv,
             **boxes.ends(),
         ),
         admitter,

@@ -32,6 +32,7 @@ from .row import Backlog, Cancel, End, Finish, Pause, Phase, Row
 from .stats import Count, Gauge, Metric, Stats
 from .step.batch import Batch
 from .step.joiner import Prefill, prefill_together
+from .step.quantized import KvBits
 from .step.slots import Sampled
 
 MAILBOX_SIZE = 4096
@@ -203,6 +204,7 @@ class PrefillActor:
     to_admission: trio.MemorySendChannel
     to_prompt_cache: trio.MemorySendChannel | None
     together: bool = False  # joiners may be prefilled as one padded batch (plain KV)
+    kv: KvBits | None = None  # KV quantization (docs/quantized-kv.md)
     _active: list[Row] = attrs.field(factory=list, init=False)  # PREFILLING, FIFO
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -250,7 +252,7 @@ class PrefillActor:
                 row.times.prefill_started = trio.current_time()
                 row.work = Prefill(
                     self.model, row.prompt, row.params, self.step_size, row_id=row.id,
-                    stop_ids=row.stop_ids,
+                    stop_ids=row.stop_ids, kv=self.kv,
                 )  # fmt: skip
                 if row.snapshot_at is not None and 0 < row.snapshot_at < len(row.prompt):
                     row.work.snapshot_at.add(row.snapshot_at)

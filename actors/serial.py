@@ -24,6 +24,7 @@ from .ranks import Mirrored, mirrored
 from .request import FinishReason
 from .row import Cancel, End, Finish, Phase, Row
 from .stats import Count, Gauge, Metric, Stats
+from .step.quantized import KvBits
 from .step.slots import build_sampling, read_logprobs
 
 MAILBOX_SIZE = 4096
@@ -43,9 +44,14 @@ class _Generation:
         return sum(c.nbytes for c in self.caches)
 
     @classmethod
-    def start(cls, model: Any, row: Row, prefill_step_size: int, hit: Hit) -> _Generation:
+    def start(
+        cls, model: Any, row: Row, prefill_step_size: int, hit: Hit, kv: KvBits | None = None
+    ) -> _Generation:
         """Set up generate_step, starting after a prompt-cache hit if there is one.
-        Processors see only the uncached part of the prompt, as in mlx_lm.server."""
+        Processors see only the uncached part of the prompt, as in mlx_lm.server.
+        Under ``kv`` the model quantizes its caches after every forward, as
+        generate_step's own ``kv_bits`` does, by the rule the batch follows
+        (full-attention layers only: mlx-lm's raises on a sliding window)."""
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
@@ -55,7 +61,7 @@ class _Generation:
         caches = hit.caches if cached else make_prompt_cache(model)
         steps = generate_step(
             mx.array(row.prompt[cached:]),
-            model,
+            model if kv is None else _Quantizing(model, kv),
             max_tokens=row.params.max_tokens,
             sampler=sampler,
             logits_processors=processors or None,
@@ -77,6 +83,22 @@ class _Generation:
         return caches
 
 
+@attrs.frozen
+class _Quantizing:
+    """The model, followed after each forward by the KV quantization rule."""
+
+    model: Any
+    kv: KvBits
+
+    def __call__(self, inputs: Any, cache: list[Any], **kwargs: Any) -> Any:
+        out = self.model(inputs, cache=cache, **kwargs)
+        self.kv.after_forward(cache)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
 @attrs.define(eq=False)
 class Serial:
     model: Any
@@ -87,6 +109,7 @@ class Serial:
     to_emitter: trio.MemorySendChannel
     to_admission: trio.MemorySendChannel
     to_prompt_cache: trio.MemorySendChannel | None
+    kv: KvBits | None = None  # KV quantization (docs/quantized-kv.md)
     _current: Row | None = attrs.field(default=None, init=False)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -126,7 +149,7 @@ class Serial:
             row.cached_tokens = hit.cached if hit.caches is not None else 0
             row.cache_report = hit.report
             gen = await self.gpu.call(
-                _Generation.start, self.model, row, self.prefill_step_size, hit
+                _Generation.start, self.model, row, self.prefill_step_size, hit, self.kv
             )
             await self._tokens(row, gen)
         except Exception as exc:

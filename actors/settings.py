@@ -20,6 +20,7 @@ from .budget import parse_budget, parse_bytes
 from .errors import InvalidRequest
 from .request import DEFAULT_MAX_TOKENS, SamplingParams
 from .step.drafting import MAX_DRAFT
+from .step.quantized import BITS, DEFAULT_QUANTIZED_KV_START, GROUP_SIZES, KvBits
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUEUE_PER_SLOT = 8  # the default queue bound: this many waiting rows per batch slot
@@ -97,6 +98,19 @@ def _dtype(_, attribute, value) -> None:
         raise InvalidRequest(
             f"dtype must be one of {', '.join(DTYPES)}, got {value!r}", param="dtype"
         )
+
+
+def _one_of(choices: tuple[int, ...], *, optional: bool = False):
+    def check(_, attribute, value) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or value not in choices:
+            raise InvalidRequest(
+                f"{attribute.name} must be one of {', '.join(map(str, choices))}, got {value!r}",
+                param=attribute.name,
+            )
+
+    return check
 
 
 def _budget(value: Any) -> int | str | None:
@@ -178,6 +192,21 @@ class EngineSettings:
         "device memory minus the weights and 20%% headroom, none is no bound; rows that "
         "do not fit wait in the queue, a row that could never fit is refused",
     )  # fmt: skip
+    kv_bits: int | None = setting(
+        None, validator=_one_of(BITS, optional=True), parse=int, shown="off",
+        help="quantize the KV cache to this many bits (8 or 4; mlx-lm's --kv-bits), in the "
+        "batch, the prompt cache and the disk tier alike; a batch holds one precision, so a "
+        "row joining a quantized batch is quantized then (docs/quantized-kv.md)",
+    )  # fmt: skip
+    kv_group_size: int = setting(
+        64, validator=_one_of(GROUP_SIZES),
+        help="values sharing one scale and bias in quantized KV (mlx-lm's --kv-group-size)",
+    )  # fmt: skip
+    quantized_kv_start: int = setting(
+        DEFAULT_QUANTIZED_KV_START, validator=_at_least(0),
+        help="with --kv-bits: a row's KV is quantized once it holds this many tokens "
+        "(mlx-lm's --quantized-kv-start), and a batch once one of its rows does",
+    )  # fmt: skip
     prompt_cache_dir: str | None = setting(
         None, shown="~/.cache/mlx-nursery/kv/<model>/<dtype>",
         help="the prompt cache's disk tier: where entries are kept across restarts",
@@ -246,6 +275,13 @@ class EngineSettings:
         """What a request gets for the sampling fields it does not give."""
         names = ("max_tokens", "temperature", "top_p", "top_k", "min_p")
         return {name: getattr(self, name) for name in names}
+
+    @property
+    def kv(self) -> KvBits | None:
+        """The KV quantization, or None (float KV)."""
+        if self.kv_bits is None:
+            return None
+        return KvBits(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
     @property
     def queue_limit(self) -> int:

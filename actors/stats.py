@@ -138,6 +138,9 @@ class Metric(enum.Enum):
     PAUSED_ROWS = (Kind.GAUGE, "paused_rows", "Paused rows waiting to resume (in pending_rows).")
     DECODING_ROWS = (Kind.GAUGE, "decoding_rows", "Rows in the continuous batch.")
     BATCH_KV_BYTES = (Kind.GAUGE, None, "KV bytes of the continuous batch.")
+    BATCH_KV_TOKENS = (
+        Kind.GAUGE, "batch_kv_tokens", "Tokens the continuous batch's rows hold in their KV."
+    )
     PREFILL_KV_BYTES = (Kind.GAUGE, None, "KV bytes of the prefills in flight.")
     SERIAL_KV_BYTES = (Kind.GAUGE, None, "KV bytes of the serial lane's row.")
     PAUSED_KV_BYTES = (Kind.GAUGE, None, "KV bytes the paused rows keep.")
@@ -258,6 +261,22 @@ HISTOGRAMS = of_kind(Kind.HISTOGRAM)
 
 
 @attrs.frozen
+class KvPrecision:
+    """The KV's precision and what a token of it costs (summed over the layers,
+    from the model's probe): ``bits`` None is float KV in the model's dtype."""
+
+    bits: int | None
+    group_size: int | None
+    start: int | None  # a row is quantized once it holds this many tokens
+    token_bytes: float  # a token's KV at this precision
+    float_token_bytes: float  # the same token's KV in float
+
+    @property
+    def name(self) -> str:
+        return "float" if self.bits is None else f"{self.bits}-bit"
+
+
+@attrs.frozen
 class StatsSnapshot:
     """What ``engine.stats()`` returns."""
 
@@ -266,7 +285,6 @@ class StatsSnapshot:
     active_rows: int  # admitted and not finished: prefilling, decoding or serial
     pending_rows: int  # queued, not yet admitted (paused rows included)
     paused_rows: int  # paused to give another session its share, waiting to resume
-    decoding_rows: int  # rows in the continuous batch
     submitted: int
     finished: int
     errored: int
@@ -274,8 +292,12 @@ class StatsSnapshot:
     rejected: int  # refused at submit (never admitted; not in the ledger)
     kv_bytes: int  # live KV: the batch, prefills, the serial row, paused rows (not the cache)
     kv_budget_bytes: int | None
+    kv_precision: KvPrecision | None  # the KV's precision and its bytes per token
     kv_projected_bytes: int  # worst case of the admitted rows, what the budget is held to
     padding_waste: float  # fraction of the batch KV width that is left padding
+    batch_kv_bytes: int  # the continuous batch's KV
+    batch_kv_tokens: int  # tokens its rows hold
+    decoding_rows: int
     steps: int
     prompt_tokens: int
     prefill_tokens: int  # prompt tokens actually computed (prompt minus cached)
@@ -327,6 +349,16 @@ class StatsSnapshot:
     step_time: HistogramSnapshot
 
     @property
+    def batch_kv_bytes_per_token(self) -> float | None:
+        """The batch's KV bytes over the tokens its rows hold (padding and the
+        buffers' room to grow included), as it runs: quantized or float."""
+        return self.batch_kv_bytes / self.batch_kv_tokens if self.batch_kv_tokens else None
+
+    @property
+    def batch_kv_bytes_per_row(self) -> float | None:
+        return self.batch_kv_bytes / self.decoding_rows if self.decoding_rows else None
+
+    @property
     def tokens_per_forward(self) -> float | None:
         """Tokens a row got per decode step it was in (1.0 without drafting)."""
         return self.decode_tokens / self.row_forwards if self.row_forwards else None
@@ -341,6 +373,7 @@ class Stats:
     configured: int
     mode: Mode
     kv_budget_bytes: int | None = None
+    kv_precision: KvPrecision | None = None
     _send: trio.MemorySendChannel = attrs.field(init=False)
     _receive: trio.MemoryReceiveChannel = attrs.field(init=False)
     _counters: dict[Metric, int] = attrs.field(init=False)
@@ -413,6 +446,8 @@ class Stats:
             mode=self.mode,
             kv_bytes=int(kv),
             kv_budget_bytes=self.kv_budget_bytes,
+            batch_kv_bytes=int(g[Metric.BATCH_KV_BYTES]),
+            kv_precision=self.kv_precision,
             **gauges,
             **{m.key: h[m].snapshot() for m in HISTOGRAMS},
             **{m.key: c[m] for m in COUNTERS},

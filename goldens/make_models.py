@@ -144,6 +144,16 @@ CONFIGS: dict[str, dict] = {
 }
 
 
+# Variants with 64-wide attention heads: mlx quantizes KV in groups of 32 or more
+# along a head (``--kv-bits``), so the 16-wide toys cannot take it. The same
+# models otherwise; the head-16 goldens stay as they are.
+HEAD_64 = ("llama", "qwen3", "gemma3_text", "falcon_h1")
+for _name in HEAD_64:
+    CONFIGS[f"{_name}_h64"] = {**CONFIGS[_name], "head_dim": 64}
+CONFIGS["gemma3_text_h64"] |= {"query_pre_attn_scalar": 64, "num_attention_heads": 2,
+                                "num_key_value_heads": 1}  # under 1 MB
+
+
 def bytes_to_unicode() -> list[str]:
     """GPT-2's printable stand-in for each byte value, indexed by byte."""
     printable = list(range(ord("!"), ord("~") + 1))

@@ -20,7 +20,12 @@ _SNAPSHOT_GAUGES = (
     ("configured", "batch_configured", "The concurrency cap (--batch)."),
     ("kv_bytes", "kv_bytes", "Live KV cache bytes (batch and prefills)."),
     ("kv_budget_bytes", "kv_budget_bytes", "The KV budget (-1: none)."),
-)
+    ("batch_kv_bytes", "batch_kv_bytes", "KV bytes of the continuous batch."),
+    ("batch_kv_bytes_per_token", "batch_kv_bytes_per_token",
+     "The batch's KV bytes over the tokens its rows hold (-1: no row)."),
+    ("batch_kv_bytes_per_row", "batch_kv_bytes_per_row",
+     "The batch's KV bytes over its rows (-1: no row)."),
+)  # fmt: skip
 
 
 class _Snapshot:
@@ -45,6 +50,17 @@ class _Snapshot:
         for field, name, help_ in (*_SNAPSHOT_GAUGES, *gauges):
             raw = getattr(s, field)
             yield GaugeMetricFamily(f"{PREFIX}_{name}", help_, value=-1 if raw is None else raw)
+        p = s.kv_precision
+        if p is not None:
+            token = GaugeMetricFamily(
+                f"{PREFIX}_kv_token_bytes",
+                "KV bytes a token costs, by precision (the served one, and float beside it).",
+                labels=["precision", "served"],
+            )
+            token.add_metric([p.name, "1"], p.token_bytes)
+            if p.bits is not None:
+                token.add_metric(["float", "0"], p.float_token_bytes)
+            yield token
         mode = GaugeMetricFamily(
             f"{PREFIX}_mode", "Batching mode (1 for the current one).", labels=["mode"]
         )
@@ -135,6 +151,10 @@ def stats_json(s: StatsSnapshot) -> dict:
         for k, v in attrs.asdict(s, recurse=False).items()
     }
     body["tokens_per_forward"] = s.tokens_per_forward
+    body["batch_kv_bytes_per_token"] = s.batch_kv_bytes_per_token
+    body["batch_kv_bytes_per_row"] = s.batch_kv_bytes_per_row
+    if s.kv_precision is not None:
+        body["kv_precision"] = {**attrs.asdict(s.kv_precision), "name": s.kv_precision.name}
     body["batch"] = {
         k: getattr(s, k)
         for k in (

@@ -72,9 +72,23 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None) -> Group:
     budget = s.get("kv_budget_bytes")
     kv = Text(
         f"KV live {_bytes(s['kv_bytes'])}  prompt cache {_bytes(s['prompt_cache_bytes'])}  "
-        f"budget {_bytes(budget) if budget else 'none'}"
+        f"budget {_bytes(budget) if budget else 'none'}{_precision(s)}"
     )
     return Group(head, summary, kv, _cache_line(s), _live_rows(snap), _recent(snap))
+
+
+def _precision(s: dict[str, Any]) -> str:
+    """The KV's precision, a token's bytes in it, and the batch's as it runs."""
+    p = s.get("kv_precision")
+    if not p:
+        return ""
+    text = f"  KV {p['name']} {_bytes(p['token_bytes'])}/token"
+    if p["bits"]:
+        text += f" (float {_bytes(p['float_token_bytes'])})"
+    if s.get("batch_kv_bytes_per_token"):
+        text += (f", batch {_bytes(s['batch_kv_bytes_per_token'])}/token "
+                 f"{_bytes(s['batch_kv_bytes_per_row'])}/row")  # fmt: skip
+    return text
 
 
 def _cache_line(s: dict[str, Any]) -> Text:

@@ -10,6 +10,8 @@ import make_goldens
 import make_models
 import pytest
 from conftest import FAMILIES, GOLDENS, golden, model_path
+
+HEAD_64 = tuple(f"{f}_h64" for f in make_models.HEAD_64)
 from mlx_lm import load, stream_generate
 
 
@@ -21,13 +23,13 @@ def test_every_model_dir_loads_and_generates(family):
 
 
 def test_models_are_small():
-    for family in FAMILIES:
+    for family in (*FAMILIES, *HEAD_64):
         size = sum(f.stat().st_size for f in model_path(family).iterdir())
         assert size < 1_000_000, f"{family} is {size} bytes"
 
 
 def test_rebuilding_models_is_byte_identical(tmp_path):
-    for family in FAMILIES:
+    for family in (*FAMILIES, *HEAD_64):
         make_models.build(family, tmp_path)
         cmp = filecmp.dircmp(model_path(family), tmp_path / family)
         files = [p.name for p in model_path(family).iterdir()]

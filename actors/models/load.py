@@ -41,6 +41,7 @@ def load_model(
     ragged_attention: bool = True,
     cpu_softmax: bool = True,
     trust_remote_code: bool = False,
+    kv: Any = None,
 ) -> tuple[Any, Any, ModelInfo]:
     """Load (a directory, hub id or GGUF file; or take a ``(model, tokenizer)``
     pair), cast (see :func:`cast`), and inspect the model's caches.
@@ -48,7 +49,9 @@ def load_model(
     With ``group`` (an ``mx.distributed`` group of two or more ranks), every rank
     calls this alike: mlx-lm's ``sharded_load`` gives each its shard, and the
     model's inputs go through :class:`ranks.SharedInputs`. The figures (KV costs,
-    weight bytes) are then one rank's share."""
+    weight bytes) are then one rank's share. ``kv`` (a ``KvBits``): the KV costs
+    count quantized bytes, and a model whose heads its groups do not divide is
+    refused."""
     from mlx.utils import tree_flatten
     from mlx_lm import load
     from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -82,7 +85,7 @@ def load_model(
         eos=frozenset(tokenizer.eos_token_ids),
         vocab_size=getattr(args, "vocab_size", None),
         cache_kinds=tuple(type(c).__name__ for c in caches),
-        kv_costs=probe(model),
+        kv_costs=probe(model, kv),
         weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
         think=thinking_markers(tokenizer),
     )

@@ -18,10 +18,22 @@ from typing import Any, Protocol
 
 import attrs
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx.utils import tree_flatten
 
 from ..ranks import Mirrored, mirrored
-from .kv import extracted, first_kv, make_room, merge, nbytes, row_kv, side_by_side, write_row
+from .kv import (
+    BATCHED,
+    SOLO,
+    extracted,
+    first_kv,
+    make_room,
+    merge,
+    nbytes,
+    row_kv,
+    side_by_side,
+    write_row,
+)  # fmt: skip
+from .quantized import KvBits, first, quantized_kind
 from .slots import Read, Sampled, Slot, row_fault
 
 
@@ -87,6 +99,7 @@ class Batch:
     refilled: int = 0  # rows written over a retired slot so far
     # The running batch's drafting (None: plain steps only; a joiner's batch).
     verifier: Verifying | None = None
+    kv: KvBits | None = None  # KV quantization (None: float KV)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -109,14 +122,14 @@ class Batch:
         row by row (plain KV caches; a lone row's solo ones)."""
         if not self.caches or self.verifier is None:
             return False
-        kind = BatchKVCache if self.batched else KVCache
-        return all(type(c) is kind for c in self.caches)
+        kinds = BATCHED if self.batched else SOLO
+        return all(type(c) in kinds for c in self.caches)
 
     @property
     def reusable(self) -> bool:
         """Whether a slot can be retired and refilled in place: every layer is a
         plain batch KV cache, where a row is a stretch of one buffer."""
-        return self.batched and all(type(c) is BatchKVCache for c in self.caches)
+        return self.batched and all(type(c) in BATCHED for c in self.caches)
 
     def padding_waste(self) -> float:
         """Fraction of the full-attention KV width that is left padding (a
@@ -142,6 +155,8 @@ class Batch:
         joiners = [j for j in joiners if j.slots]
         if joiners and self.verifier is not None:
             self.verifier.interrupted()
+        if joiners:
+            self._one_precision(joiners)
         if joiners and self.dead:
             joiners = [j for j in joiners if self._fill(j)]
             if joiners:
@@ -175,6 +190,32 @@ class Batch:
             j.slots, j.caches, j.next_tokens, j.next_logprobs = [], None, None, []
         self._drafters()
 
+    def _one_precision(self, joiners: Sequence[Batch]) -> None:
+        """One batch holds one precision: where this batch or a joiner holds
+        quantized KV, every part is quantized before they join."""
+        parts = [p for p in (self, *joiners) if p.caches]
+        if self.kv is not None and any(p.quantized for p in parts):
+            for p in parts:
+                self.kv.all_quantized(p.caches)
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.caches) and any(quantized_kind(c) for c in self.caches)
+
+    def settle_precision(self) -> None:
+        """After a forward, under ``kv``: a lone row follows mlx-lm's rule (each
+        full-attention layer quantized once it holds ``kv.start`` tokens:
+        ``generate``'s exactly); a batch is quantized whole once its longest row
+        does (one precision a batch)."""
+        if self.kv is None or not self.caches:
+            return
+        if not self.batched:
+            self.kv.after_forward(self.caches)
+            return
+        kv = first_kv(self.caches)
+        if kv is not None and not quantized_kind(kv) and mx.max(kv.offset).item() >= self.kv.start:
+            self.kv.all_quantized(self.caches)
+
     def _drafters(self) -> None:
         """Newly joined slots get their drafters, where this batch drafts."""
         if self.verifier is not None:
@@ -195,12 +236,12 @@ class Batch:
         for i, slot in enumerate(joiner.slots):
             free = [d for d, s in enumerate(self.slots) if s.dead]
             rows = [row_kv(c, i, joiner.batched) for c in joiner.caches]
-            if not free or any(k.shape[2] > width for k, _ in rows):
+            if not free or any(first(k).shape[2] > width for k, _ in rows):
                 continue
             d = free[0]
             for c, (k, v) in zip(self.caches, rows, strict=True):
                 write_row(c, d, k, v)
-                self.copied += k.nbytes + v.nbytes
+                self.copied += sum(a.nbytes for _, a in tree_flatten((k, v)))
             self.slots[d] = slot
             self.refilled += 1
             if self.verifier is not None:  # the next step's time includes this write
@@ -238,7 +279,7 @@ class Batch:
         out = []
         for caches, (slot, pending, logprobs) in zip(saved, kept, strict=True):
             slot.order = None  # taken out in token order
-            alone = Batch(self.model, [slot], caches, batched=False)
+            alone = Batch(self.model, [slot], caches, batched=False, kv=self.kv)
             alone.next_tokens, alone.next_logprobs = pending, [logprobs]
             out.append(alone)
         return out
@@ -295,6 +336,7 @@ class Batch:
         it were not there (rows never mix after the forward)."""
         inputs = self.next_tokens
         logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
+        self.settle_precision()
         contexts = []
         if any(getattr(p, "reads_tokens", False) for s in self.slots for p in s.processors):
             # A grammar mask needs this step's input tokens as numbers: start the

@@ -19,6 +19,7 @@ from ..ranks import Mirrored, mirrored
 from ..request import SamplingParams
 from .batch import Batch
 from .kv import clone, extracted, merge
+from .quantized import KvBits
 from .slots import Slot, build_sampling
 
 
@@ -47,14 +48,17 @@ class Prefill:
     snapshots: list[tuple[int, list[Any]]] = attrs.field(factory=list)
     row_id: int | None = None  # carried into the row's batch slot
     stop_ids: frozenset[int] = frozenset()  # the row's, carried into its slot
+    kv: KvBits | None = None  # KV quantization (see quantize_at)
+    taken_at: int = 0  # tokens the prompt-cache take held (generate's chunks count from here)
 
     def start_from(self, caches: list[Any] | None, cached: int) -> None:
         """Begin from a prompt-cache take (no caches: from scratch)."""
         self.caches, self.done, self.taken = caches, cached if caches else 0, True
+        self.taken_at = self.done
 
     def forget_take(self) -> None:
         """Drop a take gone stale before the first chunk; take again later."""
-        self.caches, self.done, self.taken = None, 0, False
+        self.caches, self.done, self.taken, self.taken_at = None, 0, False, 0
 
     @property
     def remaining(self) -> int:
@@ -63,10 +67,29 @@ class Prefill:
 
     def next_take(self, budget: int | None = None) -> int:
         """Tokens the next chunk takes: at most ``step_size`` and ``budget``, and
-        never past the next snapshot boundary."""
+        never past the next snapshot boundary, nor past where quantized KV begins
+        (:meth:`quantize_at`)."""
         n = min(self.step_size, self.remaining, budget or self.step_size)
         ahead = [b - self.done for b in self.snapshot_at if b > self.done]
+        at = self.quantize_at()
+        if at is not None and at > self.done:
+            ahead.append(at - self.done)
         return min(n, *ahead) if ahead else n
+
+    def quantize_at(self) -> int | None:
+        """Under ``kv``, how many tokens the caches hold when they turn quantized:
+        where mlx-lm's ``generate`` quantizes, the end of its first prefill chunk
+        (chunks of ``step_size`` from the cached tokens on) that reaches
+        ``kv.start``; None when no chunk does (the last token's forward decides).
+        The tokens before it attend float KV, those after quantized, so where a
+        chunk ends matters only here: attention over quantized KV gives the same
+        bits however many queries a chunk holds, float attention too."""
+        if self.kv is None:
+            return None
+        base, last = self.taken_at, len(self.prompt) - 1
+        k = max(1, -(-(self.kv.start - base) // self.step_size))
+        end = min(base + k * self.step_size, last)
+        return end if end >= self.kv.start and end > base else None
 
     def chunk(self, budget: int | None = None) -> int:
         """Prefill the next chunk alone (see :meth:`next_take`)."""
@@ -75,6 +98,8 @@ class Prefill:
         if n > 0:
             tokens = mx.array(self.prompt[self.done : self.done + n])
             self.model(tokens[None], cache=self.caches)
+            if self.kv is not None and self.done + n == self.quantize_at():
+                self.kv.after_forward(self.caches)
             mx.eval([c.state for c in self.caches])
             self.advanced(n, lambda: [clone(c) for c in self.caches])
             mx.clear_cache()
@@ -101,7 +126,7 @@ class Prefill:
 
     def prime(self) -> Batch:
         self._start()
-        batch = Batch(self.model, [self.slot()], self.caches, batched=False)
+        batch = Batch(self.model, [self.slot()], self.caches, batched=False, kv=self.kv)
         batch.next_tokens = mx.array(self.prompt[-1:])
         batch.forward()
         return batch
@@ -122,7 +147,8 @@ def prefill_together(jobs: Sequence[Prefill]) -> Batch:
     mask hides them (a finite bias; see docs/batching.md). A row takes at most
     ``step_size`` tokens a chunk and stops at its snapshot boundaries, where its
     KV is extracted for the prompt cache. Only for caches that take padding
-    exactly (plain ``KVCache``); the caller checks."""
+    exactly (plain ``KVCache``, float: quantized rows are prefilled alone, as
+    mlx-lm quantizes them, after every chunk); the caller checks."""
     for job in jobs:
         job._start()
     caches = merge([job.caches for job in jobs])

@@ -16,7 +16,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache
+from mlx.utils import tree_map
+from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, QuantizedKVCache
+
+from .quantized import QuantizedBatchKVCache, first, planes, quantized_kind
+
+SOLO = (KVCache, QuantizedKVCache)  # a row's plain caches: float or quantized
+BATCHED = (BatchKVCache, QuantizedBatchKVCache)  # the same, batch-shaped
 
 
 def clone(cache: Any) -> Any:
@@ -35,8 +41,12 @@ def clone(cache: Any) -> Any:
 
 
 def merge(solo: Sequence[list[Any]]) -> list[Any]:
-    """Several rows' solo caches as one batch, layer by layer (mlx-lm's merge)."""
-    return [type(layer[0]).merge(list(layer)) for layer in zip(*solo, strict=True)]
+    """Several rows' solo caches as one batch, layer by layer (mlx-lm's merge;
+    quantized rows: :meth:`QuantizedBatchKVCache.merge`)."""
+    return [
+        (QuantizedBatchKVCache if quantized_kind(layer[0]) else type(layer[0])).merge(list(layer))
+        for layer in zip(*solo, strict=True)
+    ]
 
 
 def side_by_side(layer: Sequence[Any]) -> BatchKVCache | None:
@@ -48,29 +58,36 @@ def side_by_side(layer: Sequence[Any]) -> BatchKVCache | None:
     row joins short ones (a main agent's history beside its sub-agents'). The
     rows' keys and values, padding and positions are the same. None where a
     cache is of another kind (those take mlx-lm's way)."""
-    if not all(type(c) in (KVCache, BatchKVCache) and c.keys is not None for c in layer):
+    kinds = {type(c) for c in layer}
+    if not (kinds <= {KVCache, BatchKVCache} or kinds <= {QuantizedKVCache, QuantizedBatchKVCache}):
         return None
-    ends = [c.offset if type(c) is KVCache else c._idx for c in layer]
+    if any(c.keys is None for c in layer):
+        return None
+    ends = [c.offset if type(c) in SOLO else c._idx for c in layer]
     end = max(ends)
     size = (end // BatchKVCache.step + 1) * BatchKVCache.step
-    rows = sum(c.keys.shape[0] for c in layer)
-    k, v = layer[0].keys, layer[0].values
-    keys = mx.zeros((rows, k.shape[1], size, k.shape[3]), k.dtype)
-    values = mx.zeros((rows, v.shape[1], size, v.shape[3]), v.dtype)
+    rows = sum(first(c.keys).shape[0] for c in layer)
+    head = layer[0]
+    if quantized_kind(head):
+        out = QuantizedBatchKVCache([], head.group_size, head.bits)
+    else:
+        out = BatchKVCache([])
+    out.keys, out.values = tree_map(
+        lambda a: mx.zeros((rows, a.shape[1], size, a.shape[3]), a.dtype), (head.keys, head.values)
+    )
     pads, offsets, at = [], [], 0
     for c, n in zip(layer, ends, strict=True):
-        b, shift = c.keys.shape[0], end - n
-        keys[at : at + b, :, shift:end] = c.keys[..., :n, :]
-        values[at : at + b, :, shift:end] = c.values[..., :n, :]
-        if type(c) is KVCache:
+        b, shift = first(c.keys).shape[0], end - n
+        for a, x in zip(planes(out), planes(c), strict=True):
+            a[at : at + b, :, shift:end] = x[..., :n, :]
+        if type(c) in SOLO:
             pads.append(mx.array([shift]))
             offsets.append(mx.array([n]))
         else:
             pads.append(c.left_padding + shift)
             offsets.append(c.offset)
         at += b
-    out = BatchKVCache([])
-    out.keys, out.values, out._idx = keys, values, end
+    out._idx = end
     out.left_padding, out.offset = mx.concatenate(pads), mx.concatenate(offsets)
     return out
 
@@ -86,7 +103,7 @@ def make_room(caches: Sequence[Any], feed: int, live: Sequence[bool]) -> None:
     positions for rows of 730-870 tokens). The rows' keys, values and positions
     are unchanged; a retired slot's stale KV may be cut (it is never read)."""
     kv = first_kv(caches)
-    if kv is None or kv._idx + feed <= kv.keys.shape[2]:
+    if kv is None or kv._idx + feed <= first(kv.keys).shape[2]:
         return
     pads = [p for p, alive in zip(kv.left_padding.tolist(), live, strict=True) if alive]
     cut = min(pads, default=0)
@@ -94,36 +111,34 @@ def make_room(caches: Sequence[Any], feed: int, live: Sequence[bool]) -> None:
         return
     grow = (feed + BatchKVCache.step - 1) // BatchKVCache.step * BatchKVCache.step
     for c in caches:
-        rows, heads, _, k_dim = c.keys.shape
-        v_dim = c.values.shape[3]
-        c.keys = mx.concatenate(
-            [c.keys[..., cut : c._idx, :], mx.zeros((rows, heads, grow, k_dim), c.keys.dtype)],
-            axis=2,
-        )
-        c.values = mx.concatenate(
-            [c.values[..., cut : c._idx, :], mx.zeros((rows, heads, grow, v_dim), c.values.dtype)],
-            axis=2,
-        )
+
+        def grown(a: mx.array, c=c) -> mx.array:
+            room = mx.zeros((a.shape[0], a.shape[1], grow, a.shape[3]), a.dtype)
+            return mx.concatenate([a[..., cut : c._idx, :], room], axis=2)
+
+        c.keys, c.values = tree_map(grown, (c.keys, c.values))
         c._idx -= cut
         c.left_padding = mx.maximum(c.left_padding - cut, 0)
 
 
-def row_kv(cache: Any, i: int, batched: bool) -> tuple[mx.array, mx.array]:
-    """Row ``i``'s keys and values, shaped (1, heads, length, dim), no padding."""
+def row_kv(cache: Any, i: int, batched: bool) -> tuple[Any, Any]:
+    """Row ``i``'s keys and values, shaped (1, heads, length, dim), no padding
+    (each a triple of such arrays where the KV is quantized)."""
     if not batched:
-        return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+        return tree_map(lambda a: a[..., : cache.offset, :], (cache.keys, cache.values))
     pad = cache.left_padding[i].item()
     end = cache._idx
-    return cache.keys[i : i + 1, :, pad:end], cache.values[i : i + 1, :, pad:end]
+    return tree_map(lambda a: a[i : i + 1, :, pad:end], (cache.keys, cache.values))
 
 
-def write_row(cache: BatchKVCache, d: int, keys: mx.array, values: mx.array) -> None:
-    """Put one row's KV in slot ``d`` of a batch KV cache, right-aligned at its
-    write position, in place (the buffer is updated, not rebuilt)."""
-    n = keys.shape[2]
+def write_row(cache: BatchKVCache, d: int, keys: Any, values: Any) -> None:
+    """Put one row's KV (:func:`row_kv`) in slot ``d`` of a batch KV cache,
+    right-aligned at its write position, in place (the buffer is updated, not
+    rebuilt)."""
+    n = first(keys).shape[2]
     start = cache._idx - n
-    cache.keys[d : d + 1, :, start : cache._idx] = keys
-    cache.values[d : d + 1, :, start : cache._idx] = values
+    for a, x in zip(planes(cache), [*_flat(keys), *_flat(values)], strict=True):
+        a[d : d + 1, :, start : cache._idx] = x
     here = mx.arange(cache.left_padding.size) == d
     cache.left_padding = mx.where(here, start, cache.left_padding)
     cache.offset = mx.where(here, n, cache.offset)
@@ -139,23 +154,31 @@ def extracted(caches: Sequence[Any], i: int, order: list[int] | None = None) -> 
     return out
 
 
-def gathered(cache: BatchKVCache, i: int, order: list[int]) -> KVCache:
+def gathered(cache: BatchKVCache, i: int, order: list[int]) -> Any:
     """Row ``i`` of a batch KV cache, its tokens gathered into token order
     (``order`` for its first tokens; the rest were written in order after them)."""
     pad = cache.left_padding[i].item()
     at = mx.array([*order, *range(len(order), cache._idx - pad)]) + pad
-    out = KVCache()
-    out.keys = mx.contiguous(cache.keys[i : i + 1, :, at])
-    out.values = mx.contiguous(cache.values[i : i + 1, :, at])
+    if quantized_kind(cache):
+        out = QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+    else:
+        out = KVCache()
+    out.keys, out.values = tree_map(
+        lambda a: mx.contiguous(a[i : i + 1, :, at]), (cache.keys, cache.values)
+    )
     out.offset = at.size
     return out
+
+
+def _flat(x: Any) -> list[mx.array]:
+    return list(x) if isinstance(x, tuple | list) else [x]
 
 
 def fit(caches: list[Any], n: int) -> list[Any]:
     """A leaving row's caches cut to its first ``n`` tokens: a step may have fed
     it more than it read before it ended (a verify step's drafts past its end)."""
     for c in caches:
-        if type(c) is KVCache and c.offset > n:
+        if type(c) in SOLO and c.offset > n:
             c.trim(c.offset - n)
     return caches
 

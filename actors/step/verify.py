@@ -26,6 +26,7 @@ from . import cpu_softmax, ragged
 from .batch import Batch
 from .calls import calls_begun
 from .drafting import Drafter, DraftModel, Gate, Matches, ModelDrafter, SharedIndex
+from .quantized import planes
 from .slots import Read, Sampled, SeededSampler, Slot
 
 
@@ -252,6 +253,7 @@ class Verifier:
         batch.next_tokens = mx.array([drawn[e][k or 0] for e, k in enumerate(kept)], mx.uint32)
         batch.next_logprobs = [logprobs[e, k or 0] for e, k in enumerate(kept)]
         self.roll_back(batch, kept, width, start, pads)
+        batch.settle_precision()
         self._verified = _Verified(len(batch.slots), width + 1, t0, time.perf_counter() - t0)
         return out
 
@@ -361,8 +363,9 @@ class Verifier:
             return
         b, s, d, by = mx.array(rows), mx.array(src), mx.array(dst), mx.array(shifts)
         for c in batch.caches:
-            c.keys[b, :, d] = c.keys[b, :, s]
-            c.values[b, :, d] = c.values[b, :, s]
+            for a in planes(c):
+                a[b, :, d] = a[b, :, s]
             c.offset = c.offset - by
             c.left_padding = c.left_padding + by
-        batch.copied += sum(c.keys[:1, :, :1].nbytes * 2 for c in batch.caches) * len(rows)
+        per_slot = sum(a[:1, :, :1].nbytes for c in batch.caches for a in planes(c))
+        batch.copied += per_slot * len(rows)
