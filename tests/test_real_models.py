@@ -9,8 +9,13 @@ Without the model (offline, nothing cached) the set is skipped.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from functools import cache
+from pathlib import Path
 
+import mlx.core as mx
 import pytest
 import trio
 from conftest import checked_engine
@@ -178,3 +183,73 @@ async def test_rows_arriving_together_equal_batch_generator():
     assert e.stats().prefilled_together >= 2
     for i, tokens in enumerate(want):
         assert results[i].tokens == tokens, f"prompt {i}"
+
+
+def kv_bits_reference(cases: list[list[int]], bits: int) -> list[list[int]]:
+    """mlx-lm's ``generate_step`` with ``kv_bits`` (greedy, to the first EOS)."""
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = smollm2()
+    out = []
+    for ids in cases:
+        steps = generate_step(mx.array(ids), model, max_tokens=MAX_TOKENS, kv_bits=bits,
+                              quantized_kv_start=0, prefill_step_size=STEP)  # fmt: skip
+        tokens = []
+        for t, _ in steps:
+            if int(t) in tokenizer.eos_token_ids:
+                break
+            tokens.append(int(t))
+        out.append(tokens)
+    return out
+
+
+async def quantized_lanes(cases: list[list[int]], bits: int) -> tuple[list, list]:
+    """The first case on the serial lane, then every case arriving two steps
+    apart into a quantized batch: (serial, batch) tokens."""
+    settings = {"prompt_cache_size": 0, "prefill_step_size": STEP, "kv_bits": bits}
+    async with checked_engine(smollm2(), batch=1, **settings) as e:
+        serial = (await e.generate(cases[0], max_tokens=MAX_TOKENS)).tokens
+    results = {}
+
+    async def run(i, ids):
+        results[i] = (await e.generate(ids, max_tokens=MAX_TOKENS)).tokens
+
+    async with checked_engine(smollm2(), batch=8, **settings) as e:
+        async with trio.open_nursery() as nursery:
+            for i, ids in enumerate(cases):
+                nursery.start_soon(run, i, ids)
+                if i < len(cases) - 1:
+                    await e.wait_step(e.steps + 2)
+    return [serial], [results[i] for i in range(len(cases))]
+
+
+async def test_8_bit_kv_equals_generate_with_kv_bits():
+    """``--kv-bits 8``: the serial lane, and rows arriving at different steps
+    into a quantized batch, equal mlx-lm's ``generate_step`` with the same
+    ``kv_bits`` (a long prompt's chunks: tests/test_quantized_kv.py)."""
+    cases = [prompts()[i] for i in (0, 5, 2, 3)]
+    want = kv_bits_reference(cases, 8)
+    serial, batch = await quantized_lanes(cases, 8)
+    assert serial == want[:1]
+    assert batch == want
+
+
+def test_4_bit_kv_equals_generate_with_kv_bits_on_mlx_blas():
+    """``--kv-bits 4`` on mlx's own BLAS, in a process of its own (this set
+    preloads OpenBLAS). Under OpenBLAS a batch's matmuls differ from a lone
+    row's in the last bits (another kernel for more rows); float KV absorbs
+    that, but 4-bit KV can round such a value to another level, and the row
+    then decodes otherwise (docs/quantized-kv.md). On mlx's BLAS the batch is
+    bit for bit the lone row: the KV and logprobs are equal."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    code = "import test_real_models as t; t._four_bits_on_mlx_blas()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _four_bits_on_mlx_blas() -> None:
+    cases = [prompts()[i] for i in (0, 5, 2, 3)]
+    want = kv_bits_reference(cases, 4)
+    serial, batch = trio.run(quantized_lanes, cases, 4)
+    assert serial == want[:1] and batch == want, (serial, batch, want)

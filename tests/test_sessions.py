@@ -147,14 +147,14 @@ async def test_an_active_sessions_history_stays_cached_through_anothers_churn():
     assert cached == 0
 
 
-async def paused_and_resumed(family: str) -> tuple[dict, dict, object]:
+async def paused_and_resumed(family: str, **options) -> tuple[dict, dict, object]:
     """Session A decodes two rows in both slots; B arrives and waits past
     ``pause_after``: one of A's rows is paused for it, then resumes. Returns A's
     results, the same prompts run alone, and the stats."""
     prompts = {"a0": [7, 8, 9] * 12, "a1": [30, 31] * 20}
     extra = {"a0": {"repetition_penalty": 1.3}, "a1": {"logprobs": True, "top_logprobs": 2}}
     results = {}
-    async with checked_engine(family, batch=2, pause_after=0.05) as engine:
+    async with checked_engine(family, batch=2, pause_after=0.05, **options) as engine:
         alone = {n: await engine.generate(p, max_tokens=60, logit_bias=NO_END, **extra[n])
                  for n, p in prompts.items()}  # fmt: skip
 
@@ -174,9 +174,14 @@ async def paused_and_resumed(family: str) -> tuple[dict, dict, object]:
     return results, alone, stats
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "falcon_h1"])
-async def test_a_row_paused_for_another_session_resumes_token_exact(family):
-    results, alone, stats = await paused_and_resumed(family)
+@pytest.mark.parametrize(
+    ("family", "options"),
+    [("llama", {}), ("gemma3_text", {}), ("falcon_h1", {}), ("llama_h64", {"kv_bits": 4})],
+    ids=["llama", "gemma3_text", "falcon_h1", "llama_h64-kv4"],
+)
+async def test_a_row_paused_for_another_session_resumes_token_exact(family, options):
+    """(Quantized KV too: the paused row's bits leave the batch and come back.)"""
+    results, alone, stats = await paused_and_resumed(family, **options)
     assert stats.paused >= 1 and stats.resumed == stats.paused, stats
     for name in ("a0", "a1"):
         assert results[name].tokens == alone[name].tokens, name
