@@ -257,3 +257,22 @@ def test_a_prefill_in_uneven_chunks_quantizes_where_generate_does():
         while len(tokens) < 20:
             tokens += [s.token for read in primed.step() for s in read.tokens]
         assert tokens == reference("llama_h64", prompt, 20, 4, start)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "length"), [(1, 4, 2, 37), (3, 9, 3, 300),
+                                                                   (8, 6, 6, 129)])  # fmt: skip
+def test_folded_decode_attention_is_mlx_lms_to_the_bit(bits, rows, heads, kv_heads, length):
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+    from mlx_nursery.actors.step.quantized import decode_attention
+
+    mx.random.seed(rows * 31 + length)
+    q = mx.random.normal((rows, heads, 1, 64))
+    k, v = (mx.quantize(mx.random.normal((rows, kv_heads, length, 64)), 64, bits) for _ in "kv")
+    pads = mx.array([i * 5 for i in range(rows)])
+    for mask in (None, (mx.arange(length)[None] >= pads[:, None])[:, None, None, :]):
+        want = quantized_scaled_dot_product_attention(
+            mx.array(q), k, v, scale=0.125, mask=mask, group_size=64, bits=bits
+        )
+        got = decode_attention(q, k, v, 0.125, mask, 64, bits)
+        assert mx.array_equal(got, want).item()

@@ -13,8 +13,9 @@ over a ``BatchKVCache`` whose padding is at least ``WASTE`` of the keys, each
 row's attention runs on its own keys (from its left padding on), without a
 mask. That is the computation a lone row does, so the result is a lone row's
 (to float rounding; the masked padded form differs from it alike). Prefill
-chunks, rotating and quantized caches, and batches with little padding take
-the original path.
+chunks, rotating caches, and batches with little padding take the original
+path; quantized caches mlx-lm's quantized attention, its decode steps with the
+query heads folded (``quantized.decode_attention``, to the same bits).
 
 The same wrapper swaps in :func:`cpu_softmax.attention` (mlx's own CPU attention,
 its softmax vectorized to the same bits) for float32 attention on the CPU, in
@@ -31,7 +32,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import cpu_softmax
+from . import cpu_softmax, quantized
 
 WASTE = 0.25  # the share of padded keys above which rows attend one by one
 # The model modules whose decode mask is the padding and nothing else (a sliding
@@ -106,7 +107,13 @@ def ragged(original: Any, rows: bool = True, exact_softmax: bool = True) -> Any:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None, **extra):
-        if sinks is not None or extra or hasattr(cache, "bits"):  # quantized: mlx-lm's path
+        if sinks is None and not extra and hasattr(cache, "bits"):  # quantized KV
+            out = quantized.decode_attention(
+                queries, keys, values, scale, mask, cache.group_size, cache.bits
+            )
+            if out is not None:
+                return out
+        if sinks is not None or extra or hasattr(cache, "bits"):  # mlx-lm's path
             return original(queries, keys, values, cache, scale, mask, sinks=sinks, **extra)
         pads = padding(cache, queries, keys) if rows else None
         if pads is None:
