@@ -158,87 +158,89 @@ def _clean(text: str) -> None:
         assert mark not in text, (mark, text)
 
 
+HISTORY = {"when": "take two turns", "turns": [
+    {"reasoning": "Plan.", "text": "", "calls": CALLS[:1]},
+    {"text": "Got: {last_result}"}]}  # fmt: skip
+
+
 @pytest.mark.parametrize("family", sorted(FIXTURES))
-async def test_every_api_reads_the_familys_own_calls_and_reasoning(family, templates, tmp_path):
-    model = build(tmp_path / family, script(), family=family)
-    with trio.fail_after(600):
+async def test_a_scripted_model_of_the_family_over_every_api_and_a_real_client(
+    family, templates, tmp_path
+):
+    """One server a family (its model scripted with every rule below), four
+    checks: every API reads the family's calls and reasoning; a call cut short
+    or to an unknown function is never an error; a history of calls, results
+    and reasoning renders in the family's template; the Agents SDK runs its
+    loop."""
+    from agent_loops import agents_sdk_script, workdir
+
+    work = workdir(tmp_path / "work")
+    rules = [*script()["rules"], HISTORY, agents_sdk_script(work)["rules"][0]]
+    model = build(tmp_path / family, {"rules": rules, "default": {"text": "ok"}}, family=family)
+    with trio.fail_after(900):
         async with running_server(str(model), trust_remote_code=True,
                                   prefill_step_size=512) as (url, _):  # fmt: skip
             oa = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
             an = anthropic.AsyncAnthropic(base_url=url, api_key="unused")
-            for n, thinks in CASES:
-                want = expected(family, n, thinks)
-                body = {"model": family, "max_tokens": 400, "tools": TOOLS,
-                        "messages": [{"role": "user", "content": _when(n, thinks)}]}  # fmt: skip
-                for api, client in ((chat, oa), (responses, oa), (messages, an)):
-                    for stream in (False, True):
-                        got = await api(client, stream, **body)
-                        where = (family, api.__name__, stream, n, thinks)
-                        _clean(got[0]), _clean(got[1])
-                        assert got[2] == want[2], (where, got)
-                        assert (got[0].strip(), got[1].strip()) == want[:2], (where, got)
+            await every_api_reads_the_calls_and_reasoning(family, oa, an)
+            await a_call_cut_short_or_to_an_unknown_function_is_never_an_error(family, oa)
+            await a_history_of_calls_results_and_reasoning_renders(family, oa)
             await oa.close()
             await an.close()
+            await the_agents_sdk_runs_its_loop(family, url, work, tmp_path)
 
 
-@pytest.mark.parametrize("family", sorted(FIXTURES))
-async def test_a_call_cut_short_or_to_an_unknown_function_is_never_an_error(
-    family, templates, tmp_path
-):
+async def every_api_reads_the_calls_and_reasoning(family, oa, an) -> None:
+    for n, thinks in CASES:
+        want = expected(family, n, thinks)
+        body = {"model": family, "max_tokens": 400, "tools": TOOLS,
+                "messages": [{"role": "user", "content": _when(n, thinks)}]}  # fmt: skip
+        for api, client in ((chat, oa), (responses, oa), (messages, an)):
+            for stream in (False, True):
+                got = await api(client, stream, **body)
+                where = (family, api.__name__, stream, n, thinks)
+                _clean(got[0]), _clean(got[1])
+                assert got[2] == want[2], (where, got)
+                assert (got[0].strip(), got[1].strip()) == want[:2], (where, got)
+
+
+async def a_call_cut_short_or_to_an_unknown_function_is_never_an_error(family, oa) -> None:
     """A call cut by ``max_tokens`` is dropped (``length``, no call, no markup); a
     call to a function the request did not offer stays text, markup and all."""
-    model = build(tmp_path / family, script(), family=family)
-    with trio.fail_after(300):
-        async with running_server(str(model), trust_remote_code=True,
-                                  prefill_step_size=512) as (url, _):  # fmt: skip
-            oa = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
-            cut = {"model": family, "max_tokens": 40, "tools": TOOLS,
-                   "messages": [{"role": "user", "content": _when(1, False)}]}  # fmt: skip
-            for stream in (False, True):
-                text, _, calls = await chat(oa, stream, **cut)
-                _clean(text)
-                assert calls == [] and text.strip() == expected(family, 1, False)[0], (stream, text)
-            if family != "hermes":  # Hermes' opened calls are held to the tools (auto)
-                reply = await oa.chat.completions.create(
-                    model=family, max_tokens=300, tools=TOOLS,
-                    messages=[{"role": "user", "content": "call a stranger"}])  # fmt: skip
-                answer = reply.choices[0]
-                assert answer.finish_reason == "stop" and not answer.message.tool_calls
-                assert "Nope" in answer.message.content, answer.message.content
-            await oa.close()
+    cut = {"model": family, "max_tokens": 40, "tools": TOOLS,
+           "messages": [{"role": "user", "content": _when(1, False)}]}  # fmt: skip
+    for stream in (False, True):
+        text, _, calls = await chat(oa, stream, **cut)
+        _clean(text)
+        assert calls == [] and text.strip() == expected(family, 1, False)[0], (stream, text)
+    if family != "hermes":  # Hermes' opened calls are held to the tools (auto)
+        reply = await oa.chat.completions.create(
+            model=family, max_tokens=300, tools=TOOLS,
+            messages=[{"role": "user", "content": "call a stranger"}])  # fmt: skip
+        answer = reply.choices[0]
+        assert answer.finish_reason == "stop" and not answer.message.tool_calls
+        assert "Nope" in answer.message.content, answer.message.content
 
 
-@pytest.mark.parametrize("family", sorted(FIXTURES))
-async def test_a_history_of_calls_results_and_reasoning_renders_in_the_template(
-    family, templates, tmp_path
-):
+async def a_history_of_calls_results_and_reasoning_renders(family, oa) -> None:
     """A second turn: the assistant's calls (with its reasoning) and the tool
     results are rendered back by the family's template, and the model, reading
     them, answers with the result."""
-    rules = {"rules": [{"when": "go", "turns": [
-        {"reasoning": "Plan.", "text": "", "calls": CALLS[:1]},
-        {"text": "Got: {last_result}"}]}]}  # fmt: skip
-    model = build(tmp_path / family, rules, family=family)
-    with trio.fail_after(300):
-        async with running_server(str(model), trust_remote_code=True,
-                                  prefill_step_size=512) as (url, _):  # fmt: skip
-            oa = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
-            ask = [{"role": "user", "content": "go"}]
-            first = (await oa.chat.completions.create(model=family, messages=ask, tools=TOOLS,
-                                                      max_tokens=300)).choices[0]  # fmt: skip
-            assert first.finish_reason == "tool_calls"
-            (call,) = first.message.tool_calls
-            turn = {"role": "assistant", "content": first.message.content,
-                    "reasoning_content": _extra(first.message, "reasoning_content") or None,
-                    "tool_calls": [call.model_dump()]}  # fmt: skip
-            result = {"role": "tool", "tool_call_id": call.id, "name": "Read",
-                      "content": "the file says hi\nmore"}  # fmt: skip
-            second = await oa.chat.completions.create(
-                model=family, messages=[*ask, turn, result], tools=TOOLS, max_tokens=300
-            )
-            assert second.choices[0].message.content.strip() == "Got: the file says hi"
-            assert second.choices[0].finish_reason == "stop"
-            await oa.close()
+    ask = [{"role": "user", "content": HISTORY["when"]}]
+    first = (await oa.chat.completions.create(model=family, messages=ask, tools=TOOLS,
+                                              max_tokens=300)).choices[0]  # fmt: skip
+    assert first.finish_reason == "tool_calls"
+    (call,) = first.message.tool_calls
+    turn = {"role": "assistant", "content": first.message.content,
+            "reasoning_content": _extra(first.message, "reasoning_content") or None,
+            "tool_calls": [call.model_dump()]}  # fmt: skip
+    result = {"role": "tool", "tool_call_id": call.id, "name": "Read",
+              "content": "the file says hi\nmore"}  # fmt: skip
+    second = await oa.chat.completions.create(
+        model=family, messages=[*ask, turn, result], tools=TOOLS, max_tokens=300
+    )
+    assert second.choices[0].message.content.strip() == "Got: the file says hi"
+    assert second.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("family", sorted(FIXTURES))
@@ -440,26 +442,19 @@ async def main(url, kind):
 """
 
 
-@pytest.mark.parametrize("family", sorted(FIXTURES))
-async def test_the_agents_sdk_runs_its_loop_on_every_family(family, templates, tmp_path):
+async def the_agents_sdk_runs_its_loop(family, url, work, tmp_path) -> None:
     """A real client's multi-step loop (read a file, write it, answer) where each
     step's call is written in the family's own markup and its result goes back
     through the family's template; Harmony and Qwen3-Coder also through Responses."""
-    from agent_loops import FILE_TOOLS, agents_sdk_script, workdir
+    from agent_loops import FILE_TOOLS
     from clients import agents_sdk, run_client, said
 
-    work = workdir(tmp_path / "work")
-    script_ = agents_sdk_script(work)
-    script_["rules"] = script_["rules"][:1]
-    model = build(tmp_path / "scripted", script_, family=family)
     kinds = ["chat", "responses"] if family in ("harmony", "qwen3_coder") else ["chat"]
-    async with running_server(str(model), trust_remote_code=True,
-                              prefill_step_size=512) as (url, _):  # fmt: skip
-        port = int(url.rsplit(":", 1)[1])
-        for kind in kinds:
-            (work / "notes.txt").write_text("status: draft\n")
-            done = await run_client(*agents_sdk(FILE_TOOLS + LOOP, tmp_path, port, kind), work)
-            assert done.returncode == 0, said(done)
-            out = json.loads(done.stdout.decode().strip().splitlines()[-1])
-            assert out["final"].strip() == "Done: wrote 17 characters to notes.txt", (kind, out)
-            assert (work / "notes.txt").read_text() == "status: reviewed\n"
+    port = int(url.rsplit(":", 1)[1])
+    for kind in kinds:
+        (work / "notes.txt").write_text("status: draft\n")
+        done = await run_client(*agents_sdk(FILE_TOOLS + LOOP, tmp_path, port, kind), work)
+        assert done.returncode == 0, said(done)
+        out = json.loads(done.stdout.decode().strip().splitlines()[-1])
+        assert out["final"].strip() == "Done: wrote 17 characters to notes.txt", (kind, out)
+        assert (work / "notes.txt").read_text() == "status: reviewed\n"

@@ -10,9 +10,9 @@ import make_goldens
 import make_models
 import pytest
 from conftest import FAMILIES, GOLDENS, golden, model_path
+from mlx_lm import load, stream_generate
 
 HEAD_64 = tuple(f"{f}_h64" for f in make_models.HEAD_64)
-from mlx_lm import load, stream_generate
 
 
 def test_every_model_dir_loads_and_generates(family):
