@@ -98,6 +98,8 @@ bench: install openblas clients
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --flood --repeats 2
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --speculative
 	$(BIN)/python bench/agent_loop.py
+	$(BIN)/python bench/choices.py --model $(BENCH_MODEL)
+	$(BIN)/python bench/quantized_kv.py
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
 # prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.

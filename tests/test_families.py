@@ -453,7 +453,8 @@ async def the_agents_sdk_runs_its_loop(family, url, work, tmp_path) -> None:
     port = int(url.rsplit(":", 1)[1])
     for kind in kinds:
         (work / "notes.txt").write_text("status: draft\n")
-        done = await run_client(*agents_sdk(FILE_TOOLS + LOOP, tmp_path, port, kind), work)
+        loop = LOOP.replace('"scripted"', f'"{family}"')  # the served model's name
+        done = await run_client(*agents_sdk(FILE_TOOLS + loop, tmp_path, port, kind), work)
         assert done.returncode == 0, said(done)
         out = json.loads(done.stdout.decode().strip().splitlines()[-1])
         assert out["final"].strip() == "Done: wrote 17 characters to notes.txt", (kind, out)
