@@ -75,8 +75,9 @@ class ServerState:
                 mode = engine.stats().mode
                 family = family_of(engine.tokenizer)
                 calls = family.name if family is not None else "the generic format"
-                log.info("serving %s (batch %d, mode %s, tool calls: %s)", self.model_id,
-                         s.engine.batch, mode, calls)  # fmt: skip
+                kv = engine.stats().kv_precision
+                log.info("serving %s (batch %d, mode %s, tool calls: %s, KV %s)", self.model_id,
+                         s.engine.batch, mode, calls, kv.name if kv else "float")  # fmt: skip
                 await self._stop.wait()
         except Exception as exc:
             self.phase, self.error = ServerPhase.FAILED, f"{type(exc).__name__}: {exc}"

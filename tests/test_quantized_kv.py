@@ -213,8 +213,11 @@ def test_refusals_say_what_to_change():
 
 
 async def test_a_model_whose_heads_the_groups_do_not_divide_is_refused():
-    with pytest.raises(ValueError, match="does not divide this model's attention head size"):
+    with pytest.raises(ValueError, match=r"head size \(16\): its heads are too narrow"):
         async with checked_engine("llama", kv_bits=8):
+            pass
+    with pytest.raises(ValueError, match="pick --kv-group-size 32 or 64, or leave --kv-bits off"):
+        async with checked_engine("llama_h64", kv_bits=8, kv_group_size=128):
             pass
 
 

@@ -249,7 +249,7 @@ def test_4_bit_kv_equals_generate_with_kv_bits_on_mlx_blas():
 
 
 def _four_bits_on_mlx_blas() -> None:
-    cases = [prompts()[i] for i in (0, 5, 2, 3)]
+    cases = [prompts()[i] for i in (0, 5, 2)]
     want = kv_bits_reference(cases, 4)
     serial, batch = trio.run(quantized_lanes, cases, 4)
     assert serial == want[:1] and batch == want, (serial, batch, want)

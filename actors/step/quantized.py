@@ -78,12 +78,18 @@ class KvBits:
     def check(self, head_dims: Sequence[int]) -> None:
         """A model whose heads the groups do not divide cannot take these bits."""
         bad = sorted({d for d in head_dims if d % self.group_size})
-        if bad:
-            raise ValueError(
-                f"--kv-group-size {self.group_size} does not divide this model's attention "
-                f"head size ({', '.join(map(str, bad))}); pick a group size that does "
-                f"({', '.join(str(g) for g in GROUP_SIZES)}) or leave --kv-bits off"
-            )
+        if not bad:
+            return
+        fits = [g for g in GROUP_SIZES if all(d % g == 0 for d in head_dims)]
+        instead = (
+            f"pick --kv-group-size {' or '.join(map(str, fits))}"
+            if fits
+            else f"its heads are too narrow for mlx's groups ({', '.join(map(str, GROUP_SIZES))})"
+        )
+        raise ValueError(
+            f"--kv-group-size {self.group_size} does not divide this model's attention head "
+            f"size ({', '.join(map(str, bad))}): {instead}, or leave --kv-bits off"
+        )
 
 
 def _plain(c: Any) -> bool:
