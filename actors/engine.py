@@ -295,8 +295,9 @@ async def open_engine(
     ``chat_template`` / ``chat_template_args``, and ``kv_budget`` (bytes,
     ``"auto"`` or None: rows queue until they fit, a row that never could is
     refused, the prompt cache gets what is left), ``speculative`` /
-    ``draft_tokens`` / ``draft_model`` (docs/speculative.md). On exit, rows still in flight
-    are cancelled and each gets its terminal event.
+    ``draft_tokens`` / ``draft_model`` (docs/speculative.md), ``kv_bits`` /
+    ``kv_group_size`` / ``quantized_kv_start`` (docs/quantized-kv.md). On exit,
+    rows still in flight are cancelled and each gets its terminal event.
 
     ``group`` (an ``mx.distributed`` group, under ``mlx.launch``) shards the
     engine across its ranks; every rank calls ``open_engine`` alike. Rank 0
