@@ -39,6 +39,12 @@ class LayerCost:
     quantized: float = 0.0
     quantized_from: int | None = None
 
+    @property
+    def token_bytes(self) -> float:
+        """A token's bytes at the precision served (quantized where the layer
+        would be)."""
+        return self.quantized if self.quantized_from is not None else self.per_token
+
     def bytes_for(self, tokens: int, prefill_step: int) -> int:
         if self.kind is LayerKind.STATE:
             return self.fixed

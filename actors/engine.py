@@ -350,15 +350,15 @@ async def _load(
     """Load the model (its shard, under ``group``) and the draft model. A rank
     other than 0 follows rank 0's GPU calls here until rank 0 closes: None."""
     sharded = group is not None and group.size() > 1
-    loaded, tokenizer, info = await gpu.call_here(
-        load_model, model, settings.dtype, group, settings.ragged_attention,
-        settings.cpu_softmax, settings.trust_remote_code, settings.kv,
-    )  # fmt: skip
     if sharded and settings.kv is not None:
         raise InvalidRequest(
             "--kv-bits is not served across ranks yet (followers keep float KV): run the "
             "sharded engine without it", param="kv_bits",
         )  # fmt: skip
+    loaded, tokenizer, info = await gpu.call_here(
+        load_model, model, settings.dtype, group, settings.ragged_attention,
+        settings.cpu_softmax, settings.trust_remote_code, settings.kv,
+    )  # fmt: skip
     if sharded and group.rank() != 0:
         await gpu.call_here(follow, loaded, group)
         return None
@@ -420,8 +420,7 @@ def _precision(settings: EngineSettings, info: ModelInfo) -> KvPrecision:
     kv = settings.kv
     if kv is None:
         return KvPrecision(None, None, None, floats, floats)
-    token = sum(c.quantized if c.quantized_from is not None else c.per_token
-                for c in info.kv_costs)  # fmt: skip
+    token = sum(c.token_bytes for c in info.kv_costs)
     return KvPrecision(kv.bits, kv.group_size, kv.start, token, floats)
 
 

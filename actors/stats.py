@@ -297,7 +297,7 @@ class StatsSnapshot:
     padding_waste: float  # fraction of the batch KV width that is left padding
     batch_kv_bytes: int  # the continuous batch's KV
     batch_kv_tokens: int  # tokens its rows hold
-    decoding_rows: int
+    decoding_rows: int  # rows in the continuous batch
     steps: int
     prompt_tokens: int
     prefill_tokens: int  # prompt tokens actually computed (prompt minus cached)

@@ -55,8 +55,7 @@ def token_bytes(path: str) -> dict:
         for bits in (None, 8, 4):
             kv = None if bits is None else KvBits(bits, 64, 0)
             _, _, info = load_model(path, dtype, kv=kv)
-            per = sum(c.quantized if c.quantized_from is not None else c.per_token
-                      for c in info.kv_costs)  # fmt: skip
+            per = sum(c.token_bytes for c in info.kv_costs)
             out[(dtype, bits)] = per
     return out
 

@@ -72,12 +72,11 @@ class ServerState:
                 if s.own_process:
                     freeze_startup_heap()
                 self.engine, self.phase = engine, ServerPhase.SERVING
-                mode = engine.stats().mode
+                stats = engine.stats()
                 family = family_of(engine.tokenizer)
                 calls = family.name if family is not None else "the generic format"
-                kv = engine.stats().kv_precision
                 log.info("serving %s (batch %d, mode %s, tool calls: %s, KV %s)", self.model_id,
-                         s.engine.batch, mode, calls, kv.name if kv else "float")  # fmt: skip
+                         s.engine.batch, stats.mode, calls, stats.kv_precision.name)  # fmt: skip
                 await self._stop.wait()
         except Exception as exc:
             self.phase, self.error = ServerPhase.FAILED, f"{type(exc).__name__}: {exc}"

@@ -61,6 +61,19 @@ def loaded(family: str):
     return load(str(model_path(family)))
 
 
+def generate_to_eos(model, tokenizer, prompt: list[int], **kwargs) -> list[int]:
+    """mlx-lm's own ``generate_step`` (greedy), its tokens up to the first EOS."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, **kwargs):
+        if int(token) in tokenizer.eos_token_ids:
+            break
+        out.append(int(token))
+    return out
+
+
 @asynccontextmanager
 async def checked_engine(family_or_model, **kwargs):
     from mlx_nursery.actors import open_engine

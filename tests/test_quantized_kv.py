@@ -15,8 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import trio
-from conftest import checked_engine, golden, loaded
-from mlx_lm.generate import generate_step
+from conftest import checked_engine, generate_to_eos, golden, loaded
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_nursery.actors.budget import project
 from mlx_nursery.actors.errors import InvalidRequest
@@ -54,15 +53,9 @@ def reference(family: str, prompt: list[int], max_tokens: int, bits: int, start:
     kwargs = {"kv_bits": bits, "kv_group_size": 64, "quantized_kv_start": start}
     if family.startswith("gemma3"):
         model, kwargs = _FullLayersOnly(model, bits, start), {}
-    out = []
-    steps = generate_step(
-        mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=STEP, **kwargs
+    return generate_to_eos(
+        model, tokenizer, prompt, max_tokens=max_tokens, prefill_step_size=STEP, **kwargs
     )
-    for token, _ in steps:
-        if int(token) in tokenizer.eos_token_ids:
-            break
-        out.append(int(token))
-    return out
 
 
 @pytest.fixture(params=FAMILIES)

@@ -15,10 +15,9 @@ import sys
 from functools import cache
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 import trio
-from conftest import checked_engine
+from conftest import checked_engine, generate_to_eos
 from mlx_lm import stream_generate
 from mlx_nursery.actors.models import registry
 
@@ -187,20 +186,10 @@ async def test_rows_arriving_together_equal_batch_generator():
 
 def kv_bits_reference(cases: list[list[int]], bits: int) -> list[list[int]]:
     """mlx-lm's ``generate_step`` with ``kv_bits`` (greedy, to the first EOS)."""
-    from mlx_lm.generate import generate_step
-
     model, tokenizer = smollm2()
-    out = []
-    for ids in cases:
-        steps = generate_step(mx.array(ids), model, max_tokens=MAX_TOKENS, kv_bits=bits,
-                              quantized_kv_start=0, prefill_step_size=STEP)  # fmt: skip
-        tokens = []
-        for t, _ in steps:
-            if int(t) in tokenizer.eos_token_ids:
-                break
-            tokens.append(int(t))
-        out.append(tokens)
-    return out
+    return [generate_to_eos(model, tokenizer, ids, max_tokens=MAX_TOKENS, kv_bits=bits,
+                            quantized_kv_start=0, prefill_step_size=STEP)
+            for ids in cases]  # fmt: skip
 
 
 async def quantized_lanes(cases: list[list[int]], bits: int) -> tuple[list, list]:

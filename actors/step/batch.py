@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 import attrs
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..ranks import Mirrored, mirrored
 from .kv import (
@@ -33,7 +32,7 @@ from .kv import (
     side_by_side,
     write_row,
 )  # fmt: skip
-from .quantized import KvBits, first, quantized_kind
+from .quantized import KvBits, arrays, first, quantized_kind
 from .slots import Read, Sampled, Slot, row_fault
 
 
@@ -241,7 +240,7 @@ class Batch:
             d = free[0]
             for c, (k, v) in zip(self.caches, rows, strict=True):
                 write_row(c, d, k, v)
-                self.copied += sum(a.nbytes for _, a in tree_flatten((k, v)))
+                self.copied += sum(a.nbytes for a in arrays(k, v))
             self.slots[d] = slot
             self.refilled += 1
             if self.verifier is not None:  # the next step's time includes this write

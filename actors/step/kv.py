@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, QuantizedKVCache
 
-from .quantized import QuantizedBatchKVCache, first, planes, quantized_kind
+from .quantized import QuantizedBatchKVCache, arrays, first, planes, quantized_kind
 
 SOLO = (KVCache, QuantizedKVCache)  # a row's plain caches: float or quantized
 BATCHED = (BatchKVCache, QuantizedBatchKVCache)  # the same, batch-shaped
@@ -42,9 +42,9 @@ def clone(cache: Any) -> Any:
 
 def merge(solo: Sequence[list[Any]]) -> list[Any]:
     """Several rows' solo caches as one batch, layer by layer (mlx-lm's merge;
-    quantized rows: :meth:`QuantizedBatchKVCache.merge`)."""
+    quantized rows, which it has no batch kind for: :func:`side_by_side`)."""
     return [
-        (QuantizedBatchKVCache if quantized_kind(layer[0]) else type(layer[0])).merge(list(layer))
+        side_by_side(layer) if quantized_kind(layer[0]) else type(layer[0]).merge(list(layer))
         for layer in zip(*solo, strict=True)
     ]
 
@@ -137,7 +137,7 @@ def write_row(cache: BatchKVCache, d: int, keys: Any, values: Any) -> None:
     rebuilt)."""
     n = first(keys).shape[2]
     start = cache._idx - n
-    for a, x in zip(planes(cache), [*_flat(keys), *_flat(values)], strict=True):
+    for a, x in zip(planes(cache), arrays(keys, values), strict=True):
         a[d : d + 1, :, start : cache._idx] = x
     here = mx.arange(cache.left_padding.size) == d
     cache.left_padding = mx.where(here, start, cache.left_padding)
@@ -168,10 +168,6 @@ def gathered(cache: BatchKVCache, i: int, order: list[int]) -> Any:
     )
     out.offset = at.size
     return out
-
-
-def _flat(x: Any) -> list[mx.array]:
-    return list(x) if isinstance(x, tuple | list) else [x]
 
 
 def fit(caches: list[Any], n: int) -> list[Any]:

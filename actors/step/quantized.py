@@ -51,9 +51,7 @@ class KvBits:
         As there, only a layer that is a plain cache: a sliding window (mlx-lm's
         raises) and a hybrid layer's ``CacheList`` (it has no ``to_quantized``)
         stay as they are."""
-        for i, c in enumerate(caches):
-            if _plain(c) and _length(c) >= self.start:
-                caches[i] = self.quantized(c)
+        self._quantize(caches, self.start)
 
     def quantized(self, c: Any) -> Any:
         """A plain cache (solo or batch) as its quantized kind, now."""
@@ -71,8 +69,11 @@ class KvBits:
     def all_quantized(self, caches: list[Any]) -> None:
         """Every plain cache in ``caches`` quantized, whatever its length (a row
         joining a quantized batch: one batch holds one precision)."""
+        self._quantize(caches, 0)
+
+    def _quantize(self, caches: list[Any], least: int) -> None:
         for i, c in enumerate(caches):
-            if _plain(c):
+            if _plain(c) and _length(c) >= least:
                 caches[i] = self.quantized(c)
 
     def check(self, head_dims: Sequence[int]) -> None:
@@ -109,17 +110,19 @@ def first(x: Any) -> mx.array:
     return x[0] if isinstance(x, tuple | list) else x
 
 
+def arrays(keys: Any, values: Any) -> list[mx.array]:
+    """Every array of some keys and values (one each, or three each)."""
+    return [a for _, a in tree_flatten((keys, values))]
+
+
 def planes(c: Any) -> list[mx.array]:
-    """Every array of a cache's keys and values (one each, or three each)."""
-    return [a for _, a in tree_flatten((c.keys, c.values))]
-
-
-def _zeros_like_rows(x: Any, rows: int, width: int) -> Any:
-    return tree_map(lambda a: mx.zeros((rows, a.shape[1], width, a.shape[3]), a.dtype), x)
+    """Every array of a cache's keys and values."""
+    return arrays(c.keys, c.values)
 
 
 class QuantizedBatchKVCache(BatchKVCache):
-    """``BatchKVCache``'s layout over quantized keys and values (see the module)."""
+    """``BatchKVCache``'s layout over quantized keys and values (see the module).
+    Solo quantized caches become one with ``kv.side_by_side`` (``kv.merge``)."""
 
     def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8):
         super().__init__(left_padding)
@@ -207,36 +210,6 @@ class QuantizedBatchKVCache(BatchKVCache):
         )
         out.offset = self._idx - pad
         return out
-
-    @classmethod
-    def merge(cls, caches: Sequence[QuantizedKVCache]) -> QuantizedBatchKVCache:
-        """Solo quantized caches as one batch, left-padded to the longest."""
-        lengths = [c.offset for c in caches]
-        end = max(lengths)
-        some = next(c for c in caches)
-        out = cls([end - n for n in lengths], some.group_size, some.bits)
-        out.offset = out.offset + end
-        out._idx = end
-        if end == 0:
-            return out
-        held = next(c for c in caches if c.keys is not None)
-        out.keys, out.values = (
-            _zeros_like_rows(x, len(caches), end) for x in (held.keys, held.values)
-        )
-        for i, c in enumerate(caches):
-            if c.keys is None or not c.offset:
-                continue
-            for a, b in zip(planes(out), planes(c), strict=True):
-                a[i : i + 1, :, end - c.offset : end] = b[..., : c.offset, :]
-        return out
-
-    @property
-    def state(self):
-        return self.keys, self.values, self.offset, self.left_padding, self._idx
-
-    @state.setter
-    def state(self, v):
-        self.keys, self.values, self.offset, self.left_padding, self._idx = v
 
     @property
     def nbytes(self) -> int:
