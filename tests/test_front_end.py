@@ -103,6 +103,7 @@ async def test_tool_arguments_are_strict_json_as_the_model_wrote_them():
     with trio.fail_after(400):
         async with running_server() as (url, _):
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                called = 0
                 for i in range(20):
                     schema = number_schema(rng)
                     fn = {"name": f"tool_{i}", "parameters": schema}
@@ -119,13 +120,22 @@ async def test_tool_arguments_are_strict_json_as_the_model_wrote_them():
                     tool = {"name": f"tool_{i}", "input_schema": schema}
                     r = await http.post("/v1/messages", json={
                         "messages": ASK, "tools": [tool], "tool_choice": {"type": "any"},
-                        "max_tokens": 300, "temperature": 1.0,
+                        "max_tokens": 1000, "temperature": 1.0,
                     })  # fmt: skip
                     assert r.status_code == 200, r.text
-                    blocks = [b for b in strict(r.content)["content"] if b["type"] == "tool_use"]
+                    body = strict(r.content)
+                    if body["stop_reason"] == "max_tokens":
+                        # Messages has no seed: a noise model may write a number of a
+                        # thousand digits. A cut call is never content, and never a call.
+                        assert body["content"] == [], body
+                        continue
+                    assert body["stop_reason"] == "tool_use", body
+                    blocks = [b for b in body["content"] if b["type"] == "tool_use"]
                     assert blocks
                     for block in blocks:
                         jsonschema.validate(block["input"], schema)
+                    called += 1
+                assert called >= 15, called
 
 
 async def test_a_call_cut_by_max_tokens_is_never_content():
