@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -205,6 +206,10 @@ class Engine:
         scripts order their events by engine step rather than by sleeping."""
         await self.stats_actor.wait_for(lambda s: s.steps >= n)
 
+    def idle(self) -> bool:
+        """No row queued, admitted or decoding, as the stats last saw."""
+        return _idle(self.stats())
+
     async def wait_idle(self) -> None:
         """Wait until no row is queued, admitted or decoding, and every figure is in."""
         await self.stats_actor.wait_for(_idle)
@@ -282,6 +287,7 @@ async def open_engine(
     settings: EngineSettings | None = None,
     *,
     group: Any = None,
+    device: threading.Lock | None = None,
     **options: Any,
 ) -> AsyncIterator[Engine | None]:
     """Start the actor graph in a nursery of its own; yields once every actor runs.
@@ -303,12 +309,16 @@ async def open_engine(
     engine across its ranks; every rank calls ``open_engine`` alike. Rank 0
     yields the engine; any other rank follows rank 0's GPU calls on its shard
     until rank 0's engine closes, then yields None (see ``docs/scale-out.md``).
+
+    ``device`` (a ``threading.Lock``) is shared by engines opened in one process
+    to serve several models: their steps take turns, never running a forward at
+    once; loading runs beside them (see ``docs/models.md``).
     """
     if settings is None:
         settings = EngineSettings(**options)
     elif options:
         settings = attrs.evolve(settings, **options)
-    gpu = Gpu()
+    gpu = Gpu(device=device)
     gpu.start()
     try:
         loaded = await _load(gpu, model, settings, group)
@@ -355,7 +365,7 @@ async def _load(
             "--kv-bits is not served across ranks yet (followers keep float KV): run the "
             "sharded engine without it", param="kv_bits",
         )  # fmt: skip
-    loaded, tokenizer, info = await gpu.call_here(
+    loaded, tokenizer, info = await gpu.call_loading(
         load_model, model, settings.dtype, group, settings.ragged_attention,
         settings.cpu_softmax, settings.trust_remote_code, settings.kv,
     )  # fmt: skip
@@ -371,7 +381,7 @@ async def _load(
         info = attrs.evolve(info, context_length=settings.context_length)
     draft = None
     if settings.draft_model is not None and settings.speculative:
-        draft, drafts = await gpu.call_here(
+        draft, drafts = await gpu.call_loading(
             load_draft, settings.draft_model, settings.dtype, tokenizer, info,
             settings.ragged_attention, settings.cpu_softmax,
         )  # fmt: skip

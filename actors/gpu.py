@@ -12,6 +12,11 @@ to the followers before running it, and the ranks can be *lost* (a follower died
 or stalled): then every call waiting or yet to come raises ``RanksLost`` at once,
 even one stuck in a collective that will never end.
 
+Several engines in one process (a server with several models) each have their
+own thread, and share one ``device`` lock: a call holds it while it runs, so two
+models never run a forward at once. Loading a model (:meth:`call_loading`) runs
+without it, beside the other models' steps.
+
 The actor also owns the lane token: one of the two lanes (continuous or serial)
 holds the GPU at a time. Admission takes and hands it over FIFO (drain, never
 starve); the token makes the exclusion an invariant that can be checked, rather
@@ -20,6 +25,7 @@ than a convention.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -50,6 +56,8 @@ class GpuStatistics:
 @attrs.define(eq=False)
 class Gpu:
     name: str = "mlx-nursery-gpu"
+    # Shared by the engines of one process: held by each call but a load's.
+    device: threading.Lock | None = None
     _jobs: queue.SimpleQueue = attrs.field(factory=queue.SimpleQueue, init=False)
     _thread: threading.Thread | None = attrs.field(default=None, init=False)
     _calls: int = attrs.field(default=0, init=False)
@@ -79,12 +87,14 @@ class Gpu:
             job = self._jobs.get()
             if job is None:
                 return
-            fn, args, deliver, here = job
-            calls.began()
-            t0 = time.perf_counter()
-            self._call_started = time.monotonic()
-            result = self._run(fn, args, here)
-            self._call_started = None
+            fn, args, deliver, here, locked = job
+            device = self.device if locked and self.device is not None else contextlib.nullcontext()
+            with device:
+                calls.began()
+                t0 = time.perf_counter()
+                self._call_started = time.monotonic()
+                result = self._run(fn, args, here)
+                self._call_started = None
             self._last = time.perf_counter() - t0
             self._busy += self._last
             self._calls += 1
@@ -128,7 +138,13 @@ class Gpu:
         """As :meth:`call`, but never replayed on other ranks (host-side work)."""
         return await self._call(fn, args, here=True)
 
-    async def _call(self, fn: Callable[..., Any], args: tuple, here: bool) -> Any:
+    async def call_loading(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """As :meth:`call_here`, without the shared ``device`` lock: a model's
+        load runs beside the other engines' steps."""
+        return await self._call(fn, args, here=True, locked=False)
+
+    async def _call(self, fn: Callable[..., Any], args: tuple, here: bool,
+                    locked: bool = True) -> Any:  # fmt: skip
         if self._thread is None:
             raise RuntimeError("the GPU actor is not running")
         if self.lost is not None:
@@ -140,7 +156,7 @@ class Gpu:
         with self._lock:
             self._pending[job_id] = (token, task)
         deliver = functools.partial(self._deliver, job_id)
-        self._jobs.put((fn, args, deliver, here))
+        self._jobs.put((fn, args, deliver, here, locked))
         # FAILED: the thread cannot be interrupted, so the caller waits it out.
         return await trio.lowlevel.wait_task_rescheduled(
             lambda _raise_cancel: trio.lowlevel.Abort.FAILED

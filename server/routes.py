@@ -37,14 +37,12 @@ from .api.messages import Messages, count_body
 from .api.openai import OpenAIApi
 from .choices import Choices, choice_request, sse_choices
 from .metrics import prometheus, stats_json
+from .pool import Slot
 from .request_log import record_of
 from .settings import Settings
 from .state import ServerState
 
 log = logging.getLogger("mlx_nursery.server")
-
-# Model names that mean "whatever this server serves" ("default_model" as in mlx_lm.server).
-ALIASES = ("default_model", "default")
 
 
 def json_response(body: Any, status: int = 200) -> Response:
@@ -93,15 +91,20 @@ class Routes:
         return self.state.settings
 
     async def generate(self, api: Api) -> Response:
-        """Every API's generation route: the same path, the API's shapes."""
-        engine = self.state.engine_or_503()
+        """Every API's generation route: the same path, the API's shapes. The
+        request holds a lease on its model (loaded if need be) while it starts."""
+        self.state.check_serving()
         parsed = api.parse(await body_json(self.settings.body_timeout), request.headers)
-        self._check_model(parsed)
+        slot = self.state.pool.resolve(parsed.model)
         self.state.requests.adjusted.update(parsed.adjusted)
+        async with self.state.pool.lease(slot) as engine:
+            return await self._generate(engine, slot, parsed, api)
+
+    async def _generate(self, engine: Engine, slot: Slot, parsed: Parsed, api: Api) -> Response:
         if parsed.n > 1:
-            return await self._choices(engine, parsed, api)
-        stream = await self._start(engine, parsed, api)
-        served = Served(self.state.model_id, engine.tokenizer, stream.prompt_tokens)
+            return await self._choices(engine, slot, parsed, api)
+        stream = await self._start(engine, slot, parsed, api)
+        served = Served(slot.name, engine.tokenizer, stream.prompt_tokens)
         if parsed.stream:
             response = event_stream(sse(stream, api.shaper(parsed, served)))
         else:
@@ -111,19 +114,21 @@ class Routes:
             response.headers["X-Ignored-Tools"] = ", ".join(parsed.ignored_tools)
         return response
 
-    async def _choices(self, engine: Engine, parsed: Parsed, api: OpenAIApi) -> Response:
+    async def _choices(
+        self, engine: Engine, slot: Slot, parsed: Parsed, api: OpenAIApi
+    ) -> Response:
         """``n`` choices: a row each, queued together (a refusal of any is the
         request's, and cancels those queued before it)."""
         streams: list[RequestStream] = []
         try:
             for i in range(parsed.n):
                 one = attrs.evolve(parsed, request=choice_request(parsed.request, i))
-                streams.append(await self._start(engine, one, api))
+                streams.append(await self._start(engine, slot, one, api))
         except BaseException:
             for stream in streams:
                 stream.cancel("another choice of its request was refused")
             raise
-        served = Served(self.state.model_id, engine.tokenizer, streams[0].prompt_tokens)
+        served = Served(slot.name, engine.tokenizer, streams[0].prompt_tokens)
         if parsed.stream:
             choices = Choices(streams).start(current_app.nursery)
             shapers = api.choice_shapers(parsed, served, parsed.n)
@@ -145,19 +150,21 @@ class Routes:
         return json_response(api.choices_body(parsed, results, served))
 
     async def count_tokens(self, api: Messages) -> Response:
-        """Anthropic's ``/v1/messages/count_tokens``: the prompt a message would have."""
-        engine = self.state.engine_or_503()
+        """Anthropic's ``/v1/messages/count_tokens``: the prompt a message would have
+        (its model loaded to count it)."""
+        self.state.check_serving()
         body = await body_json(self.settings.body_timeout)
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}
         parsed = api.parse(body, request.headers)
-        try:
-            tokens = len(engine.encode(parsed.request.prompt, **parsed.prompt_params))
-        except InvalidRequest as exc:
-            raise bad(str(exc), parsed.field(exc.param)) from None
+        async with self.state.pool.lease(self.state.pool.resolve(parsed.model)) as engine:
+            try:
+                tokens = len(engine.encode(parsed.request.prompt, **parsed.prompt_params))
+            except InvalidRequest as exc:
+                raise bad(str(exc), parsed.field(exc.param)) from None
         return json_response(count_body(tokens))
 
-    async def _start(self, engine: Engine, parsed: Parsed, api: Api) -> RequestStream:
+    async def _start(self, engine: Engine, slot: Slot, parsed: Parsed, api: Api) -> RequestStream:
         """Submit and queue the request: a bad one is a 400, a full queue a 429,
         both before any byte of a stream."""
         request_id = parsed.request.request_id
@@ -166,7 +173,7 @@ class Routes:
                      ", ".join(parsed.ignored_tools))  # fmt: skip
         try:
             stream = engine.submit_request(parsed.request)
-            stream.on_end = self._on_end(engine, parsed, request_id, api.name)
+            stream.on_end = self._on_end(engine, slot, parsed, request_id, api.name)
             await stream.start()
         except ContextOverflow as exc:
             raise api.context_error(exc, parsed.field(exc.param)) from None
@@ -183,13 +190,15 @@ class Routes:
         return stream
 
     def _on_end(
-        self, engine: Engine, parsed: Parsed, request_id: str, api: str
+        self, engine: Engine, slot: Slot, parsed: Parsed, request_id: str, api: str
     ) -> Callable[[Event], Event]:
         """What the server adds to a request's terminal event (in the handler's
-        task, never the engine's): the chat message a cache miss diverged in; and
-        the request's record (recent requests, the request log)."""
+        task, never the engine's): the chat message a cache miss diverged in; the
+        request's record (recent requests, the request log); its model's figures."""
 
         def on_end(event: Event) -> Event:
+            slot.requests += 1
+            slot.tokens += event.usage.completion_tokens if event.usage is not None else 0
             cache = event.usage.cache if event.usage is not None else None
             prompt = parsed.request.prompt
             chat = isinstance(prompt, list) and any(isinstance(m, dict) for m in prompt)
@@ -200,6 +209,7 @@ class Routes:
                 event = attrs.evolve(event, usage=attrs.evolve(event.usage, cache=cache))
             session = parsed.request.session
             record = record_of(event, request_id=request_id, api=api, session=session)
+            record["model"] = slot.name
             self.state.requests.record(record)
             return event
 
@@ -218,56 +228,51 @@ class Routes:
             raise ApiError(503, message, type="service_unavailable")
         return result
 
-    def _check_model(self, parsed: Parsed) -> None:
-        name, served = parsed.model, self.state.model_id
-        # The short id; also the reference it was started with (a path or hub id).
-        if name is None or name in ALIASES or name in (served, self.settings.model):
-            return
-        raise ApiError(
-            404,
-            f"model {name!r} does not exist; this server serves {served!r}",
-            param="model",
-            type="not_found_error",
-            code="model_not_found",
-        )
-
     async def models(self) -> Response:
-        card = {
-            "id": self.state.model_id,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "mlx-nursery",
-        }
-        engine = self.state.engine
-        if engine is not None and engine.info.context_length is not None:
-            # the served context (--context-length), as vLLM names it and as a number
-            card["max_model_len"] = card["context_length"] = engine.info.context_length
-        return json_response({"object": "list", "data": [card]})
+        """Every configured model, loaded or not, with its state and context."""
+        pool, created = self.state.pool, int(time.time())
+        cards = []
+        for slot in pool.slots.values():
+            card = {"id": slot.name, "object": "model", "created": created,
+                    "owned_by": "mlx-nursery", "state": str(slot.state),
+                    "default": slot.default, "aliases": pool.aliases_of(slot.name)}  # fmt: skip
+            if slot.context_length is not None:
+                # the served context (--context-length), as vLLM names it and as a number
+                card["max_model_len"] = card["context_length"] = slot.context_length
+            cards.append(card)
+        return json_response({"object": "list", "data": cards})
 
     async def sessions(self) -> Response:
         """``GET /v1/sessions``: the live sessions, each with its rows."""
-        engine = self.state.engine_or_503()
+        self.state.check_serving()
         return json_response({"object": "list", "data": [
-            session_json(s) for s in engine.sessions()
+            session_json(s) for slot in self.state.pool.loaded() for s in slot.engine.sessions()
         ]})  # fmt: skip
 
     async def cancel_session(self, session: str) -> Response:
         """``DELETE /v1/sessions/{id}``: end every queued and running row of the
         session and of the sessions under it."""
-        engine = self.state.engine_or_503()
-        n = engine.cancel_session(session, f"session {session} was cancelled by DELETE")
+        self.state.check_serving()
+        why = f"session {session} was cancelled by DELETE"
+        n = sum(slot.engine.cancel_session(session, why) for slot in self.state.pool.loaded())
         if not n:
             raise ApiError(404, f"no live session {session!r}; GET /v1/sessions lists them",
                            type="not_found_error", code="session_not_found")  # fmt: skip
         return json_response({"id": session, "object": "session.cancelled", "cancelled": n})
 
     async def stats(self) -> Response:
-        engine = self.state.engine_or_503()
-        body = stats_json(engine.stats())
+        """The engine figures of one model (``?model=NAME``; the default one), the
+        pool's per-model figures, the recent requests and the HTTP refusals."""
+        self.state.check_serving()
+        slot = self.state.pool.resolve(request.args.get("model"))
+        engine = slot.engine
+        body = stats_json(engine.stats()) if engine is not None else {}
+        body["model"] = slot.name
+        body.update(self.state.pool.figures())
         body["recent_requests"] = list(self.state.requests.recent)
         body["refusals"] = self.state.requests.refusal_figures()
         body["prompt_adjusted"] = dict(self.state.requests.adjusted)
-        ranks = engine.ranks()
+        ranks = engine.ranks() if engine is not None else None
         if ranks is not None:
             body["ranks"] = ranks
         return json_response(body)
@@ -283,11 +288,17 @@ class Routes:
         return json_response(dashboard.snapshot(self.state))
 
     async def metrics(self) -> Response:
+        """The default model's engine figures, and every model's, labelled ``model``."""
         accept = request.headers.get("Accept", "")
-        engine = self.state.engine_or_503()
+        self.state.check_serving()
+        engine = self.state.engine
         refusals = self.state.requests.refusal_figures()
         adjusted = dict(self.state.requests.adjusted)
-        body, content_type = prometheus(engine.stats(), accept, engine.ranks(), refusals, adjusted)
+        body, content_type = prometheus(
+            engine.stats() if engine is not None else None, accept,
+            engine.ranks() if engine is not None else None, refusals, adjusted,
+            self.state.pool.figures(),
+        )  # fmt: skip
         return Response(body, content_type=content_type)
 
 

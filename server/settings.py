@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 from mlx_nursery.actors import EngineSettings
+from mlx_nursery.actors.budget import parse_budget
 from mlx_nursery.actors.settings import setting
 
 API_KEY_ENV = "MLX_NURSERY_API_KEY"
@@ -25,6 +26,31 @@ class Settings:
     model: Any = setting(
         help="a model directory, hub id or GGUF file; or a (model, tokenizer) pair", cli=False
     )
+    model_name: str | None = setting(
+        None, cli=False, help="the default model's public name (NAME in --model NAME=MODEL)"
+    )
+    # Several models (docs/models.md): the others, by name, loaded on first request.
+    models: tuple[tuple[str, Any], ...] = setting(
+        (), cli=False, help="(name, model) pairs served beside the default model"
+    )
+    aliases: dict[str, str] = setting(
+        factory=dict, cli=False, help="a client's model name (or glob) -> a served model's name"
+    )
+    keep_alive: dict[str, float | None] = setting(
+        factory=dict, cli=False,
+        help="seconds a model stays loaded idle, by name ('' for every model but the "
+        "default); None pins it",
+    )  # fmt: skip
+    memory_budget: int | str | None = setting(
+        "auto", converter=parse_budget, parse=str,
+        help="bytes the loaded models' weights, KV budgets and workspace share (e.g. 12G); "
+        "auto is device memory less 20%% headroom, none is no bound; loading a model that "
+        "does not fit first unloads the least recently used idle one",
+    )  # fmt: skip
+    model_wait: float = setting(
+        60.0, help="seconds a request waits for its model to load (or for memory to be "
+        "freed) before a 429 with Retry-After",
+    )  # fmt: skip
     engine: EngineSettings = setting(
         factory=lambda: EngineSettings(dtype="auto"), help="the engine's settings", cli=False
     )

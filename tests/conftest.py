@@ -183,8 +183,8 @@ async def running_server(model=None, **overrides):
         try:
             yield urls[0], state
             with trio.fail_after(SERVER_TIMEOUT):
-                await state.engine.wait_idle()
-            _SETTLED.append(state.engine.stats())
+                await state.pool.wait_idle()
+            _SETTLED.extend(slot.engine.stats() for slot in state.pool.loaded())
         finally:
             shutdown.set()
 

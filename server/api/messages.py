@@ -290,9 +290,8 @@ def parse_messages(
         raise bad("thinking.type must be enabled, disabled or adaptive", "thinking")
     if kind in ("enabled", "disabled"):  # adaptive: the model decides (the template's default)
         params["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
+    # Claude Code asks for Claude models by name: the pool maps them (server/pool.py).
     stream, model = bool(check_bool(body, "stream")), model_of(body)
-    if model is not None and model.startswith("claude-"):
-        model = None  # Claude Code asks for Claude models by name: this server's one answers
     fields = {"stop": "stop_sequences", "response_format": "output_config"}
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, Mapping) else None
