@@ -34,6 +34,7 @@ def snapshot(state: Any) -> dict[str, Any]:
         "model": state.model_id,
         "phase": str(state.phase),
         "recent_requests": list(state.requests.recent)[-RECENT_SHOWN:],
+        **state.pool.figures(),  # every model's state and figures, the memory budget
     }
     if engine is None:
         return out

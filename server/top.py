@@ -74,7 +74,30 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None) -> Group:
         f"KV live {_bytes(s['kv_bytes'])}  prompt cache {_bytes(s['prompt_cache_bytes'])}  "
         f"budget {_bytes(budget) if budget else 'none'}{_precision(s)}"
     )
-    return Group(head, summary, kv, _cache_line(s), _live_rows(snap), _recent(snap))
+    parts = [head, summary, kv, _cache_line(s)]
+    if len(snap.get("models", [])) > 1:
+        parts.append(_models(snap))
+    return Group(*parts, _live_rows(snap), _recent(snap))
+
+
+def _models(snap: dict[str, Any]) -> Table:
+    """Every served model: its state, memory and figures."""
+    budget = snap.get("memory_budget_bytes")
+    title = "models" + (f" ({_bytes(snap['reserved_bytes'])} of {_bytes(budget)} reserved)"
+                        if budget else "")  # fmt: skip
+    table = Table(title=title, expand=True)
+    for col in ("model", "state", "resident", "reserved", "load s", "loads", "requests",
+                "tokens", "keep-alive"):  # fmt: skip
+        table.add_column(col)
+    for m in snap["models"]:
+        keep = "pinned" if m["pinned"] else f"{m['keep_alive_seconds']:g} s"
+        table.add_row(
+            m["name"] + (" (default)" if m["default"] else ""),
+            m["state"] + (", evicting" if m["evicting"] else ""),
+            _bytes(m["resident_bytes"]), _bytes(m["charge_bytes"]), _num(m["load_seconds"], 2),
+            str(m["loads"]), str(m["requests"]), str(m["tokens"]), keep,
+        )  # fmt: skip
+    return table
 
 
 def _precision(s: dict[str, Any]) -> str:

@@ -13,6 +13,8 @@ import pytest
 import trio
 from conftest import model_path, running_server, server_process
 from mlx_nursery.server.pool import ModelState, estimate
+from mlx_nursery.server.top import render
+from rich.console import Console
 
 KV = 8 << 20  # each model's KV budget in these tests
 
@@ -81,6 +83,12 @@ async def test_models_by_name_alias_and_a_404_naming_what_is_served():
             assert figures["main"]["pinned"] and not figures["qwen3"]["pinned"]
             assert figures["qwen3"]["resident_bytes"] > 0
             assert (await http.get("/stats", params={"model": "qwen3"})).json()["model"] == "qwen3"
+            snap = (await http.get("/dashboard/snapshot")).json()
+            assert [m["name"] for m in snap["models"]] == ["main", "qwen3"]
+            console = Console(record=True, width=200)
+            console.print(render(snap, None))
+            shown = console.export_text()
+            assert "qwen3" in shown and "main (default)" in shown and "pinned" in shown
             metrics = (await http.get("/metrics")).text
             assert 'mlx_nursery_model_state{model="qwen3",state="loaded"} 1.0' in metrics
             assert 'mlx_nursery_model_requests_total{model="qwen3"} 3.0' in metrics
