@@ -98,6 +98,7 @@ bench: install openblas clients
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --flood --repeats 2
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --speculative
 	$(BIN)/python bench/agent_loop.py
+	$(BIN)/python bench/models.py
 	$(BIN)/python bench/choices.py --model $(BENCH_MODEL)
 	$(BIN)/python bench/quantized_kv.py
 

@@ -413,7 +413,8 @@ async def _build(gpu: Gpu, loaded: _Loaded) -> tuple[Engine, list[Any]]:
     actors, to_admission, admitter = _wire(loaded, budget, gpu, stats, disk)
     if loaded.sharded:
         actors.append(RankWatch(gpu.replica, gpu))
-    ll_tok = await gpu.call_here(ll_tokenizer, loaded.tokenizer, info.vocab_size)
+    # host-side and long for a large vocabulary (seconds): off the shared device lock
+    ll_tok = await gpu.call_loading(ll_tokenizer, loaded.tokenizer, info.vocab_size)
     intake = Intake(loaded.tokenizer, info, settings, budget, ll_tok)
     cache_actor = next((a for a in actors if isinstance(a, PromptCacheActor)), None)
     engine = Engine(

@@ -306,3 +306,30 @@ async def test_real_models_share_a_server_and_an_idle_one_gives_its_memory_back(
             gemma = next(m for m in (await http.get("/stats")).json()["models"]
                          if m["name"] == "gemma")  # fmt: skip
             assert gemma["loads"] == 2 and gemma["unloads"] == 1 and gemma["load_seconds"] > 0
+
+
+async def test_two_engines_in_one_process_share_the_device_lock_and_match_goldens():
+    """The embedding API's way to several models: one lock for both engines'
+    GPU threads; each row of each, batched, gives its golden tokens."""
+    from conftest import checked_engine, golden
+
+    lock = threading.Lock()
+    cases = {f: golden(f)["serial"][:3] for f in ("llama", "qwen3")}
+    results: dict = {}
+    async with (
+        checked_engine("llama", device=lock) as a,
+        checked_engine("qwen3", device=lock) as b,
+        trio.open_nursery() as nursery,
+    ):
+        for family, engine in (("llama", a), ("qwen3", b)):
+            for i, case in enumerate(cases[family]):
+
+                async def run(engine=engine, key=(family, i), case=case) -> None:
+                    n = len(case["tokens"])
+                    results[key] = (await engine.generate(case["prompt_ids"], max_tokens=n)).tokens
+
+                nursery.start_soon(run)
+    for family, family_cases in cases.items():
+        for i, case in enumerate(family_cases):
+            assert results[family, i] == case["tokens"], (family, case["prompt"])
+    assert a._gpu.device is lock and b._gpu.device is lock
