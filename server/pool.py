@@ -93,6 +93,7 @@ class Slot:
     loads: int = 0
     unloads: int = 0
     leases: int = 0
+    waiters: int = 0  # requests waiting for it to load
     evicting: bool = False
     last_used: float = 0.0  # trio time of the last lease or busy sweep
     requests: int = 0
@@ -111,6 +112,8 @@ class Slot:
         return self.spec.keep_alive is None
 
     def idle(self) -> bool:
+        """No request holds it and its engine has no row (requests that wait
+        for it do not count: an evicting model is unloaded under them)."""
         return self.leases == 0 and (self.engine is None or self.engine.idle())
 
     def resident_bytes(self) -> int:
@@ -244,9 +247,13 @@ class Pool:
                                type="service_unavailable", code="model_load_failed")  # fmt: skip
             if slot.state is ModelState.UNLOADED:
                 self._start_load(slot)
-            with trio.move_on_at(deadline):
-                await self._change.wait()
-                continue
+            slot.waiters += 1
+            try:
+                with trio.move_on_at(deadline):
+                    await self._change.wait()
+                    continue
+            finally:
+                slot.waiters -= 1
             retry = max(1, math.ceil(slot.load_seconds or 1.0))
             why = "memory to be freed" if slot.state is ModelState.WAITING else "its load"
             raise ApiError(429, f"model {slot.name!r} is not loaded yet: waited {self.wait:g} s "
@@ -396,7 +403,7 @@ class Pool:
             for slot in list(self.slots.values()):
                 if slot.state is not ModelState.LOADED:
                     continue
-                if not slot.idle():
+                if not slot.idle() or slot.waiters:  # just loaded: its waiters are due
                     slot.last_used = now
                 elif slot.spec.keep_alive is not None and (
                     now - slot.last_used >= slot.spec.keep_alive
@@ -475,10 +482,11 @@ _FLOATS = ("F64", "F32", "F16", "BF16")
 
 
 def estimate(ref: Any, settings: EngineSettings) -> int:
-    """A model's charge before its first load, from its safetensors headers (float
-    tensors at the dtype it will be cast to) and its config's vocabulary; 0 where
-    it cannot be read (measured once loaded). Runs in a worker thread (a GGUF
-    file is converted here, once)."""
+    """A model's charge before its first load, from its safetensors headers and
+    config: float tensors at the dtype it will be cast to, and quantized layers
+    dequantized where it is cast to float32 (as ``load.cast`` does); 0 where it
+    cannot be read (measured once loaded). Runs in a worker thread (a GGUF file
+    is converted here, once)."""
     from mlx_nursery.actors.models.load import float_dtype
     from mlx_nursery.actors.models.registry import resolve
 
@@ -488,22 +496,41 @@ def estimate(ref: Any, settings: EngineSettings) -> int:
     path = Path(resolve(ref, dtype))
     if not path.is_dir():
         return 0
-    cast = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(dtype).removeprefix("mlx.core."))
-    weights = 0
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    tensors: dict[str, dict] = {}
     for file in path.glob("*.safetensors"):
         with file.open("rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            n = math.prod(t["shape"])
-            width = cast if cast and t["dtype"] in _FLOATS else _DTYPE_BYTES.get(t["dtype"], 4)
-            weights += n * width
-    config = path / "config.json"
-    shape = Shape.of(json.loads(config.read_text()) if config.is_file() else {})
+            tensors.update(json.loads(f.read(size)))
+    tensors.pop("__metadata__", None)
+    weights = weights_bytes(tensors, config.get("quantization") or {}, dtype)
     kv = settings.kv_budget if isinstance(settings.kv_budget, int) else 0
-    return weights + kv + workspace(shape, settings.prefill_step_size, settings.batch)
+    return weights + kv + workspace(Shape.of(config), settings.prefill_step_size, settings.batch)
+
+
+def weights_bytes(tensors: Mapping[str, dict], quantization: Mapping[str, Any],
+                  dtype: str | None) -> int:  # fmt: skip
+    """The bytes of a model's weights once loaded and cast to ``dtype``, from its
+    safetensors headers (name -> dtype and shape) and its quantization config."""
+    cast = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(dtype))
+    dequantize = dtype == "float32"
+    total = 0
+    for name, t in tensors.items():
+        base, _, part = name.rpartition(".")
+        packed = dequantize and f"{base}.scales" in tensors
+        if packed and part in ("scales", "biases"):
+            continue  # folded into the dequantized weight
+        n = math.prod(t["shape"])
+        if packed and part == "weight":
+            layer = quantization.get(base)
+            bits = (layer or {}).get("bits") if isinstance(layer, Mapping) else None
+            n = n * 32 // (bits or quantization.get("bits") or 4)
+            total += n * 4
+            continue
+        width = cast if cast and t["dtype"] in _FLOATS else _DTYPE_BYTES.get(t["dtype"], 4)
+        total += n * width
+    return total
 
 
 def auto_memory_budget() -> int:

@@ -12,7 +12,8 @@ import httpx
 import pytest
 import trio
 from conftest import model_path, running_server, server_process
-from mlx_nursery.server.pool import ModelState, estimate
+from mlx_nursery.actors import EngineSettings
+from mlx_nursery.server.pool import SHARE_OF_BUDGET, ModelState, auto_memory_budget, estimate
 from mlx_nursery.server.top import render
 from rich.console import Console
 
@@ -147,8 +148,6 @@ async def test_a_model_waiting_for_a_busy_one_is_a_429_with_retry_after_then_loa
 
 
 def _settings():
-    from mlx_nursery.actors import EngineSettings
-
     return EngineSettings(dtype="auto", prefill_step_size=32, kv_budget=KV)
 
 
@@ -306,6 +305,11 @@ async def test_real_models_share_a_server_and_an_idle_one_gives_its_memory_back(
             gemma = next(m for m in (await http.get("/stats")).json()["models"]
                          if m["name"] == "gemma")  # fmt: skip
             assert gemma["loads"] == 2 and gemma["unloads"] == 1 and gemma["load_seconds"] > 0
+    # its charge, estimated from the files before a load, is what the load measured
+    # (its K-quants dequantized to float32; a quarter of the auto budget for KV)
+    kv = auto_memory_budget() // SHARE_OF_BUDGET
+    settings = EngineSettings(dtype="auto", kv_budget=kv)
+    assert gemma["charge_bytes"] == estimate(str(registry.GEMMA3_270M.file), settings)
 
 
 async def test_two_engines_in_one_process_share_the_device_lock_and_match_goldens():
