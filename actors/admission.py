@@ -302,11 +302,16 @@ class Admission:
             task_status.started()
             live = 0
             while True:
+                # Only the wait is bounded by the next timer: a message taken is
+                # dispatched whole (cancelled mid-dispatch, a row's Ended to the
+                # emitter could be lost, and its stream would wait forever).
+                message = None
                 with trio.move_on_at(min(self._next_expiry(), self._next_pause())):
                     try:
                         message = await self.inbox.receive()
                     except trio.EndOfChannel:
                         return
+                if message is not None:
                     await self.dispatch(message)
                 await self._expire()
                 await self._admit()
