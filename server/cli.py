@@ -245,7 +245,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     for folder in [args.models_dir] if getattr(args, "models_dir", None) else []:
         if not folder.is_dir():
             raise InvalidRequest(f"{folder} is not a directory", param="models_dir")
-        named += [(n, ref) for n, ref in models_in(folder)]
+        named += models_in(folder)
     first_name, first = named[0]
     others = [(name or short_id(ref), ref) for name, ref in named[1:]]
     return Settings(

@@ -87,7 +87,6 @@ class Slot:
     state: ModelState = ModelState.UNLOADED
     engine: Engine | None = None
     charge: int | None = None  # bytes reserved while loaded (estimated, then measured)
-    measured: bool = False
     context_length: int | None = None
     load_seconds: float | None = None
     loads: int = 0
@@ -318,7 +317,7 @@ class Pool:
             slot.engine, slot.state = engine, ModelState.LOADED
             slot.load_seconds = round(trio.current_time() - t0, 3)
             slot.loads += 1
-            slot.charge, slot.measured = charge_of(engine), True
+            slot.charge = charge_of(engine)
             slot.context_length = engine.info.context_length
             slot.last_used = trio.current_time()
             log.info("model %s loaded in %.2f s (%s reserved)", slot.name,
@@ -370,13 +369,15 @@ class Pool:
             await trio.sleep(DRAIN_POLL)
 
     async def unload(self, slot: Slot, why: str) -> None:
-        if slot.state is not ModelState.LOADED:
-            await slot.stopped.wait()
-            return
+        if slot.state is ModelState.LOADED:
+            self._stop(slot, why)
+        await slot.stopped.wait()
+
+    def _stop(self, slot: Slot, why: str) -> None:
+        """Tell a loaded slot's engine to close (its host task unloads it)."""
         log.info("model %s: unloading (%s)", slot.name, why)
         slot.state = ModelState.UNLOADING
         slot.stop.set()
-        await slot.stopped.wait()
 
     # -- the pool's life ----------------------------------------------------------------
 
@@ -408,11 +409,7 @@ class Pool:
                 elif slot.spec.keep_alive is not None and (
                     now - slot.last_used >= slot.spec.keep_alive
                 ):
-                    assert self._nursery is not None
-                    why = f"idle for {slot.spec.keep_alive:g} s"
-                    slot.state = ModelState.UNLOADING
-                    log.info("model %s: unloading (%s)", slot.name, why)
-                    slot.stop.set()
+                    self._stop(slot, f"idle for {slot.spec.keep_alive:g} s")
 
     def loaded(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state is ModelState.LOADED and s.engine]
