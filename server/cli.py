@@ -33,16 +33,8 @@ def _json(value: str) -> object:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlx-nursery", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser(
-        "serve",
-        help="serve the OpenAI-compatible HTTP API",
-        description="Serve an MLX model over an OpenAI-compatible HTTP API, batching "
-        "concurrent requests.",
-    )
-    add_serve_flags(s)
+def add_launch_parser(sub: Any) -> None:
+    """``launch``: a coding agent against this server (its own flags, then serve's)."""
     c = sub.add_parser(
         "launch",
         help="run Claude Code or Codex against this server",
@@ -67,6 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
         "tier) to this served model (a second --model, e.g. --model small=PATH)",
     )
     add_serve_flags(c)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlx-nursery", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serve an MLX model over an OpenAI-compatible HTTP API, batching "
+        "concurrent requests.",
+    )
+    add_serve_flags(s)
+    add_launch_parser(sub)
     b = sub.add_parser(
         "bench",
         help="concurrent streaming load against an OpenAI-compatible server",

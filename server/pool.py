@@ -158,6 +158,7 @@ class Pool:
     # Called once a slot's load ends: (slot, error or None).
     on_loaded: Callable[[Slot, str | None], None] | None = None
     own_process: bool = False
+    group: Any = None  # sharded (``--ranks``): the mx.distributed group of its one model
     _nursery: trio.Nursery | None = None
     _loading: trio.Lock = attrs.field(factory=trio.Lock)
     _change: trio.Event = attrs.field(factory=trio.Event)
@@ -165,7 +166,7 @@ class Pool:
     @classmethod
     def of(
         cls, specs: list[ModelSpec], engine: EngineSettings, *, aliases: Mapping[str, str],
-        budget: int | str | None, wait: float, own_process: bool = False,
+        budget: int | str | None, wait: float, own_process: bool = False, group: Any = None,
     ) -> Pool:  # fmt: skip
         """The pool over ``specs`` (the first is the default model). With several
         models, an ``auto`` KV budget is a share of the memory budget, and the
@@ -184,7 +185,7 @@ class Pool:
                 raise ValueError(f"--alias {alias}={target}: no model is named {target!r} "
                                  f"(served: {served})")  # fmt: skip
         refs = {str(s.spec.ref): s.name for s in slots.values() if isinstance(s.spec.ref, str)}
-        return cls(slots, dict(aliases), budget, wait, refs, own_process=own_process)
+        return cls(slots, dict(aliases), budget, wait, refs, own_process=own_process, group=group)
 
     @property
     def default(self) -> Slot:
@@ -313,7 +314,9 @@ class Pool:
 
     async def _serve(self, slot: Slot, ready: trio.Event) -> None:
         t0 = trio.current_time()
-        async with open_engine(slot.spec.ref, slot.settings, device=self.device) as engine:
+        group = self.group if slot.default else None
+        async with open_engine(slot.spec.ref, slot.settings, device=self.device,
+                               group=group) as engine:  # fmt: skip
             slot.engine, slot.state = engine, ModelState.LOADED
             slot.load_seconds = round(trio.current_time() - t0, 3)
             slot.loads += 1

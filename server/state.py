@@ -159,4 +159,5 @@ def pool_of(settings: Settings) -> Pool:
     for name, ref in settings.models:
         specs.append(ModelSpec(name, ref, keep.get(name, keep.get("", DEFAULT_KEEP_ALIVE))))
     return Pool.of(specs, engine, aliases=settings.aliases, budget=settings.memory_budget,
-                   wait=settings.model_wait, own_process=settings.own_process)  # fmt: skip
+                   wait=settings.model_wait, own_process=settings.own_process,
+                   group=settings.group)  # fmt: skip

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import trio
 from conftest import GOLDENS, server_process
+from mlx_nursery.actors import EngineSettings
 from mlx_nursery.server.api.messages import DROPPED_ATTRIBUTION, SYSTEM_FIRST, parse_messages
 from mlx_nursery.server.api.messages import HONOURED as MESSAGES_HONOURED
 from mlx_nursery.server.api.messages import IGNORED as MESSAGES_IGNORED
@@ -20,6 +21,7 @@ from mlx_nursery.server.api.openai import IGNORED as CHAT_IGNORED
 from mlx_nursery.server.api.responses import HONOURED as RESPONSES_HONOURED
 from mlx_nursery.server.api.responses import IGNORED as RESPONSES_IGNORED
 from mlx_nursery.server.api.responses import STATEFUL, parse_responses
+from mlx_nursery.server.pool import ModelSpec, Pool
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "clients"
 
@@ -46,7 +48,11 @@ def test_claude_codes_request_is_read_with_its_shared_parts_first():
     assert parsed.request.params["max_tokens"] == body["max_tokens"]
     # adaptive thinking: the model decides
     assert "chat_template_kwargs" not in parsed.request.params
-    assert parsed.model is None  # claude-* names are served by this server's model
+    # The name passes through; with one model served, the pool maps claude-* to it.
+    assert parsed.model == body["model"]
+    pool = Pool.of([ModelSpec("served", "served-ref", None)], EngineSettings(), aliases={},
+                   budget=None, wait=1.0)  # fmt: skip
+    assert pool.resolve(parsed.model) is pool.default
 
 
 def test_claude_codes_request_as_sent():
