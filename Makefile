@@ -101,6 +101,7 @@ bench: install openblas clients
 	$(BIN)/python bench/models.py
 	$(BIN)/python bench/choices.py --model $(BENCH_MODEL)
 	$(BIN)/python bench/quantized_kv.py
+	$(BIN)/python bench/decode_floor.py
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
 # prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.

@@ -1,0 +1,186 @@
+"""Where a B=1 decode step's time goes on SmolLM2-135M float32: issue 47's
+"measure first", and the probe of what ``mx.compile`` can win.
+
+Four figures, each from one process, one after the other:
+
+- mlx-lm: greedy decode with mlx-lm's own caches, pipelined as ``generate_step``
+  is (the next step built while this one computes);
+- compiled: the whole forward under ``mx.compile`` with its shapes held fixed:
+  a KV buffer of fixed capacity written with ``mx.slice_update`` at an array
+  offset, the positions past the offset masked, the model's code unchanged;
+  its first call (tracing and the CPU backend's C++ build) timed apart;
+- static: the same fixed-capacity step without ``mx.compile`` (what the mask over
+  the capacity costs by itself);
+- the matmul floor: every ``Linear`` of the model and the tied head as one
+  ``x @ W.T`` each at B=1 and B=8 (the bytes a step must read, and nothing else).
+
+The compiled and static tokens are checked equal to mlx-lm's.
+
+    python bench/decode_floor.py [--tokens N]   (re-runs itself with OpenBLAS preloaded)
+
+Writes its table into docs/benchmarks.md (section ``decode-floor``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from benchsuite import _write_section, blas, float32_copy
+from mlx_nursery.actors.models import registry
+from mlx_nursery.server.serve import find_openblas
+
+PROMPT = "Write a short story about a robot who learns to paint."
+CAPACITY = 512
+
+
+class FixedKV:
+    """One layer's KV at a fixed capacity: written at an array offset, read whole,
+    the positions past the offset masked (so the traced graph repeats)."""
+
+    def __init__(self, keys, values) -> None:
+        self.keys, self.values = keys, values
+        self.offset = self.start = None  # set each step, as arrays
+
+    def update_and_fetch(self, keys, values):
+        import mlx.core as mx
+
+        self.keys = mx.slice_update(self.keys, keys, self.start, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.start, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size=None):
+        import mlx.core as mx
+
+        return mx.arange(self.keys.shape[2])[None] <= (self.offset + mx.arange(n))[:, None]
+
+
+def mlx_lm_decode(model, prompt, n: int) -> tuple[list[int], float]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    y = mx.argmax(model(prompt[None], cache=cache)[:, -1], -1)
+    mx.eval(y)
+    out, start = [], time.perf_counter()
+    for _ in range(n):
+        nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], -1)
+        mx.async_eval(nxt)
+        out.append(y.item())
+        y = nxt
+    return out, n / (time.perf_counter() - start)
+
+
+def fixed_decode(model, prompt, n: int, compiled: bool) -> tuple[list[int], float, float]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    solo = make_prompt_cache(model)
+    y = mx.argmax(model(prompt[None], cache=solo)[:, -1], -1)
+    caches, kv, used = [], [], prompt.size
+    for c in solo:
+        b, h, _, d = c.keys.shape
+        keys = mx.zeros((b, h, CAPACITY, d), c.keys.dtype)
+        values = mx.zeros((b, h, CAPACITY, d), c.values.dtype)
+        keys[..., :used, :] = c.keys[..., :used, :]
+        values[..., :used, :] = c.values[..., :used, :]
+        caches.append(FixedKV(keys, values))
+        kv += [keys, values]
+    mx.eval(kv, y)
+
+    def forward(tokens, offset, *kv):
+        for i, c in enumerate(caches):
+            c.keys, c.values, c.offset, c.start = kv[2 * i], kv[2 * i + 1], offset, offset[None]
+        token = mx.argmax(model(tokens, cache=caches)[:, -1], -1)
+        return (token, *[a for c in caches for a in (c.keys, c.values)])
+
+    step = mx.compile(forward) if compiled else forward
+    offset = mx.array(used)
+    start = time.perf_counter()
+    nxt, *kv = step(y[:, None], offset, *kv)
+    mx.eval(nxt, kv)
+    first = time.perf_counter() - start
+    out = [y.item()]
+    y, offset = nxt, offset + 1
+    start = time.perf_counter()
+    for _ in range(n - 1):
+        nxt, *kv = step(y[:, None], offset, *kv)
+        mx.async_eval(nxt, kv)
+        out.append(y.item())
+        y, offset = nxt, offset + 1
+    return out, (n - 1) / (time.perf_counter() - start), first
+
+
+def matmul_floor(model, batch: int) -> float:
+    """ms a step for every weight matrix read once (one ``x @ W.T`` each)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    weights = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    weights.append(model.model.embed_tokens.weight)
+    xs = {w.shape[1]: mx.random.normal((batch, w.shape[1])) for w in weights}
+    mx.eval(xs)
+
+    def once():
+        return [xs[w.shape[1]] @ w.T for w in weights]
+
+    for _ in range(3):
+        mx.eval(once())
+    start, runs = time.perf_counter(), 10
+    for _ in range(runs):
+        mx.eval(once())
+    return (time.perf_counter() - start) / runs * 1000, len(weights), sum(w.nbytes for w in weights)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=200)
+    args = parser.parse_args()
+    lib = find_openblas()
+    if lib and "openblas" not in os.environ.get("LD_PRELOAD", ""):
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()),
+                                   *sys.argv[1:]], dict(os.environ, LD_PRELOAD=lib))  # fmt: skip
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, tokenizer = load(str(float32_copy(registry.fetch(registry.DEFAULT))))
+    prompt = mx.array(tokenizer.encode(PROMPT))
+    n = args.tokens
+    base, base_rate = mlx_lm_decode(model, prompt, n)
+    _, base_rate2 = mlx_lm_decode(model, prompt, n)
+    fixed, fixed_rate, _ = fixed_decode(model, prompt, n, compiled=False)
+    comp, comp_rate, first = fixed_decode(model, prompt, n, compiled=True)
+    floors = {b: matmul_floor(model, b) for b in (1, 8)}
+    ms1, count, nbytes = floors[1]
+    mlx_rate = (base_rate + base_rate2) / 2
+    rows = [
+        ("mlx-lm (its caches, pipelined), two runs",
+         f"{base_rate:.1f}, {base_rate2:.1f}", f"{1000 / mlx_rate:.1f}", "1.00x", "-"),
+        ("fixed capacity, not compiled", f"{fixed_rate:.1f}", f"{1000 / fixed_rate:.1f}",
+         f"{fixed_rate / mlx_rate:.2f}x", str(fixed == base)),
+        (f"fixed capacity, `mx.compile` (first call {first:.1f} s)", f"{comp_rate:.1f}",
+         f"{1000 / comp_rate:.1f}", f"{comp_rate / mlx_rate:.2f}x", str(comp == base)),
+        (f"the matmul floor: {count} weights, {nbytes / 2**20:.0f} MiB, read once",
+         f"{1000 / ms1:.1f}", f"{ms1:.1f}", f"{1000 / ms1 / mlx_rate:.2f}x", "-"),
+    ]  # fmt: skip
+    lines = [
+        f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; float32; SmolLM2-135M-Instruct "
+        f"(dequantized from its Q4_1 GGUF); B=1 greedy, {n} tokens after a "
+        f"{prompt.size}-token prompt; fixed capacity {CAPACITY}. The matmul floor at B=8: "
+        f"{floors[8][0]:.1f} ms a step.",
+        "",
+        "| decode step | tok/s | ms a token | against mlx-lm | tokens equal |",
+        "|---|---|---|---|---|",
+        *[f"| {' | '.join(row)} |" for row in rows],
+    ]
+    body = "\n".join(lines)
+    print(body)
+    _write_section("decode-floor", body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
