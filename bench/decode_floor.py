@@ -1,7 +1,7 @@
 """Where a B=1 decode step's time goes on SmolLM2-135M float32: issue 47's
 "measure first", and the probe of what ``mx.compile`` can win.
 
-Four figures, each from one process, one after the other:
+Five figures, from one process, one after the other:
 
 - mlx-lm: greedy decode with mlx-lm's own caches, pipelined as ``generate_step``
   is (the next step built while this one computes);
@@ -11,6 +11,8 @@ Four figures, each from one process, one after the other:
   its first call (tracing and the CPU backend's C++ build) timed apart;
 - static: the same fixed-capacity step without ``mx.compile`` (what the mask over
   the capacity costs by itself);
+- mlx-lm's ``BatchGenerator`` at B=8: aggregate decode tok/s after every row's
+  first token;
 - the matmul floor: every ``Linear`` of the model and the tied head as one
   ``x @ W.T`` each at B=1 and B=8 (the bytes a step must read, and nothing else).
 
@@ -32,6 +34,7 @@ from pathlib import Path
 from benchsuite import _write_section, blas, float32_copy
 from mlx_nursery.actors.models import registry
 from mlx_nursery.server.serve import find_openblas
+from step_lengths import timed
 
 PROMPT = "Write a short story about a robot who learns to paint."
 CAPACITY = 512
@@ -146,12 +149,7 @@ def matmul_floor(model, batch: int) -> tuple[float, int, int]:
     def once():
         return [xs[w.shape[1]] @ w.T for w in weights]
 
-    for _ in range(3):
-        mx.eval(once())
-    start, runs = time.perf_counter(), 10
-    for _ in range(runs):
-        mx.eval(once())
-    return (time.perf_counter() - start) / runs * 1000, len(weights), sum(w.nbytes for w in weights)
+    return timed(once, runs=10), len(weights), sum(w.nbytes for w in weights)
 
 
 def main() -> int:
