@@ -547,6 +547,7 @@ def _wire(
             to_decode=boxes.dec.clone(),
             together=info.padded_prefill and settings.kv is None,
             kv=settings.kv,
+            forks=not loaded.sharded,
             **boxes.ends(),
         ),
         admitter,

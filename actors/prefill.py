@@ -73,11 +73,13 @@ class Join:
 @attrs.frozen
 class _Done:
     """What one unit of a turn (one joiner's chunks, or a group prefilled
-    together) got: tokens prefilled, and its primed batch and first tokens once
-    the prompts are in (or the error that ended them)."""
+    together) got: tokens prefilled, and its primed batches and first tokens
+    once the prompts are in (or the error that ended them). The batches hold
+    the unit's rows in order: a group's in one, a joiner's and its forks' one
+    each."""
 
     tokens: int
-    primed: Batch | None = None
+    primed: list[Batch] | None = None
     firsts: list[Sampled] = attrs.field(factory=list)  # read at once, one per row
     error: BaseException | None = None
 
@@ -95,7 +97,7 @@ def prefill_turn(plan: list[Unit]) -> list[_Done]:
             if budget is None:
                 tokens = sum(job.remaining + 1 for job in jobs)
                 primed = prefill_together(jobs)
-                results.append(_Done(tokens, primed, primed.read_first()))
+                results.append(_Done(tokens, [primed], primed.read_first()))
                 continue
             (job,) = jobs
             done = 0
@@ -105,7 +107,8 @@ def prefill_turn(plan: list[Unit]) -> list[_Done]:
                 results.append(_Done(done))
                 continue
             primed = job.prime()
-            results.append(_Done(done + 1, primed, primed.read_first()))
+            firsts = primed.read_first()
+            results.append(_Done(done + 1, primed.forked(), firsts))
         except Exception as exc:
             results.append(_Done(0, error=exc))
     return results
@@ -169,7 +172,7 @@ def _group(ready: list[Prefill], cap: int) -> list[Prefill]:
     would cost more than the forward it shares (and hold its first token back
     until the whole group's)."""
     chosen: set[int] = set()
-    fresh = [job for job in ready if job.done < GROUP_MAX_CACHED]
+    fresh = [job for job in ready if job.done < GROUP_MAX_CACHED and not job.forks]
     for n, job in enumerate(sorted(fresh, key=lambda j: j.remaining), start=1):
         if n * (job.remaining + 1) > cap:
             break
@@ -205,6 +208,7 @@ class PrefillActor:
     to_prompt_cache: trio.MemorySendChannel | None
     together: bool = False  # joiners may be prefilled as one padded batch (plain KV)
     kv: KvBits | None = None  # KV quantization (docs/quantized-kv.md)
+    forks: bool = True  # rows with one prompt share its prefill (not across ranks)
     _active: list[Row] = attrs.field(factory=list, init=False)  # PREFILLING, FIFO
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -281,16 +285,40 @@ class PrefillActor:
             await self._end(row)
         self._report()
 
+    def _fork(self) -> set[int]:
+        """Rows whose prompt equals an earlier row's, not yet started, ride on it
+        as its forks (``n`` choices of one request; agents sending one prompt at
+        once): the prompt is computed and its last token forwarded once, and each
+        fork samples its first token from that forward. Set afresh each turn (a
+        fork whose row ended drops out; if the row it rides on ends, the first
+        fork leads). Returns the riders' row ids."""
+        leads: dict[int, list[Prefill]] = {}  # by prompt length
+        riders = set()
+        for row in self._active:
+            job = row.work
+            job.forks = []
+            same = leads.get(len(row.prompt), [])
+            lead = next((j for j in same if j.prompt == row.prompt), None)
+            if self.forks and lead is not None and not job.started:
+                lead.forks.append(job)
+                job.forget_take()  # it computes nothing: it takes again if it ever leads
+                riders.add(row.id)
+            else:
+                same.append(job)
+                leads[len(row.prompt)] = same
+        return riders
+
     async def _turn(self) -> None:
+        riders = self._fork()
         for row in self._active:  # arrivals (and joiners released from waiting) take
-            if not row.work.taken:
+            if row.id not in riders and not row.work.taken:
                 hit = await take(self.to_prompt_cache, row.prompt, row.session)
                 row.work.start_from(hit.caches, hit.cached)
                 row.cached_tokens, row.cache_report = row.work.done, hit.report
         min_shared = MIN_SHARED_TOGETHER if self.together else MIN_SHARED
         if self.to_prompt_cache is None:
             min_shared = None
-        jobs = [r.work for r in self._active]
+        jobs = [r.work for r in self._active if r.id not in riders]
         plan = plan_turn(jobs, self.step_size, self.together, min_shared)
         by_job = {id(r.work): r for r in self._active}
         try:
@@ -304,10 +332,15 @@ class PrefillActor:
                 await self._put_snapshots(row)
             if done.error is None and done.primed is None:
                 continue  # more chunks to come
-            for row in rows:
-                self._active.remove(row)
             if len(rows) > 1:
                 self.stats.post(Count(Metric.PREFILLED_TOGETHER, len(rows)))
+            for lead, fork in [(r, f) for r in rows for f in r.work.forks]:
+                rider = by_job[id(fork)]
+                rider.cached_tokens, rider.cache_report = lead.cached_tokens, lead.cache_report
+                rows.append(rider)
+                self.stats.post(Count(Metric.FORKED))
+            for row in rows:
+                self._active.remove(row)
             if done.error is not None:
                 err = done.error
                 for row in rows:
@@ -321,35 +354,42 @@ class PrefillActor:
 
     async def _first_tokens(self, rows: list[Row], done: _Done) -> None:
         """Deliver the rows' first tokens now (time to first token does not wait
-        for the join), then hand the primed rows to decode in one :class:`Join`.
-        A row that ends at its first token (EOS, a stop id, max_tokens 1), was
-        cancelled meanwhile, or whose own sampling failed never joins."""
+        for the join), then hand the primed rows to decode, a :class:`Join` a
+        primed batch. A row that ends at its first token (EOS, a stop id,
+        max_tokens 1), was cancelled meanwhile, or whose own sampling failed
+        never joins."""
         now = trio.current_time()
-        out, joining, left = [], [], []
-        for row, first in zip(rows, done.firsts, strict=True):
-            row.times.prefill_ended = now
-            if row.end is None and first.error is not None:
-                row.ask_end(End(FinishReason.ERROR, first.error))
-                self.stats.post(Count(Metric.ROW_FAULTS))
-            if row.end is not None:
-                await self._end(row)
-                continue
-            item = TokenOut.accepted(row, first.token, first.logprob, first.top_logprobs)
-            out.append(item)
-            if not item.ends:
-                row.work = done.primed
-                row.move(Phase.JOINING)
-                joining.append(row)
-            else:
-                row.work = None
-                row.move(Phase.ENDED)
-                left.append(row)
+        out, joins, left = [], [], []
+        firsts = iter(zip(rows, done.firsts, strict=True))
+        for batch in done.primed:
+            group = [next(firsts) for _ in batch.slots]
+            joining = False
+            for row, first in group:
+                row.times.prefill_ended = now
+                if row.end is None and first.error is not None:
+                    row.ask_end(End(FinishReason.ERROR, first.error))
+                    self.stats.post(Count(Metric.ROW_FAULTS))
+                if row.end is not None:
+                    await self._end(row)
+                    continue
+                item = TokenOut.accepted(row, first.token, first.logprob, first.top_logprobs)
+                out.append(item)
+                if not item.ends:
+                    row.work = batch
+                    row.move(Phase.JOINING)
+                    joining = True
+                else:
+                    row.work = None
+                    row.move(Phase.ENDED)
+                    left.append(row)
+            if joining:
+                joins.append(Join(tuple(row for row, _ in group), batch))
         if out:
             await self.to_emitter.send(Tokens(tuple(out)))
         for row in left:
             await self.to_admission.send(Left(row.id))
-        if joining:
-            await self.to_decode.send(Join(tuple(rows), done.primed))
+        for join in joins:
+            await self.to_decode.send(join)
 
     async def _put_snapshots(self, row: Row) -> None:
         job = row.work

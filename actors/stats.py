@@ -96,6 +96,9 @@ class Metric(enum.Enum):
     PREFILLED_TOGETHER = (
         Kind.COUNTER, "prefilled_together", "Rows prefilled in one padded batch."
     )
+    FORKED = (
+        Kind.COUNTER, "forked", "Rows that rode on another row's prefill of the same prompt."
+    )
     KV_COPIED_BYTES = (
         Kind.COUNTER, "kv_copied_bytes", "KV bytes copied by batch joins and leaves."
     )
@@ -330,6 +333,7 @@ class StatsSnapshot:
     prompt_cache_disk_dropped: int
     prompt_cache_disk_load_time: HistogramSnapshot
     prefilled_together: int  # rows whose prompts were prefilled as one padded batch
+    forked: int  # rows that took their first token from another row's prime (same prompt)
     kv_copied_bytes: int  # KV bytes copied by the batch's joins and leaves
     refilled: int  # joiners written in place over a finished row's retired slot
     paused: int  # decoding rows paused (KV kept) for a session below its share

@@ -1,9 +1,10 @@
 """``n`` choices of one prompt (chat and text completions' ``n``): n rows, one response.
 
-Each choice is a row of its own, queued together: the prompt is computed once
-(the later rows wait while the first computes the prefix they share, then take
-it from the prompt cache: see docs/prompt-cache.md), and each samples with its
-own draws (a request's ``seed`` gives choice ``i`` the seed ``seed + i``).
+Each choice is a row of its own, queued together: the prompt is computed and
+its last token forwarded once (the later rows ride on the first as forks, each
+sampling its first token from that forward: see docs/prompt-cache.md), and each
+samples with its own draws (a request's ``seed`` gives choice ``i`` the seed
+``seed + i``).
 
 A stream reads every choice's events as they come: a pump task a choice, in
 the app's nursery (an async generator cannot hold one across its yields),

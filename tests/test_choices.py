@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 import trio
-from conftest import running_server
+from conftest import checked_engine, golden, running_server
+from test_quantized_kv import reference
 
 LONG = "Tell me a story about the sea. " * 30  # a prompt worth computing once
 
@@ -44,7 +46,8 @@ async def test_n_choices_each_its_own_draws_the_prompt_counted_once():
 
 
 async def test_n_choices_share_one_prefill_of_the_prompt():
-    """The later choices wait while the first computes the prompt, then take it."""
+    """The later choices ride on the first: the prompt is computed and its last
+    token forwarded once, and every choice samples its first token from that."""
     with trio.fail_after(120):
         async with running_server(batch=8) as (url, state):
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
@@ -56,7 +59,7 @@ async def test_n_choices_share_one_prefill_of_the_prompt():
             after = state.engine.stats()
             assert [c.index for c in reply.choices] == [0, 1, 2, 3]
             computed = after.prefill_tokens - before.prefill_tokens
-            assert computed < 1.5 * reply.usage.prompt_tokens, computed
+            assert computed == reply.usage.prompt_tokens, computed
             await client.close()
 
 
@@ -95,3 +98,28 @@ async def test_leaving_a_stream_of_choices_early_cancels_every_choice():
                 ok = await client.post("/v1/chat/completions", json={**body, "stream": False,
                                                                      "max_tokens": 4})  # fmt: skip
                 assert ok.status_code == 200 and len(ok.json()["choices"]) == 3
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "falcon_h1", "mamba2", "llama_h64"])
+async def test_rows_of_one_prompt_fork_from_one_prefill_on_every_cache_kind(family):
+    """Three rows of one prompt at once ride on the first (plain, sliding-window,
+    recurrent and quantized caches): the prompt is computed and primed once, and
+    each row's tokens are a lone row's."""
+    case = next(c for c in golden(family.removesuffix("_h64"))["serial"] if c["prompt"] == "long")
+    kv = {"kv_bits": 8} if family.endswith("_h64") else {}
+    want = case["tokens"]
+    if kv:  # mlx-lm's generate with the same KV bits
+        want = reference(family, case["prompt_ids"], case["max_tokens"], 8)
+    async with checked_engine(family, batch=8, **kv) as engine:
+        out = [None] * 3
+
+        async def run(i):
+            result = await engine.generate(case["prompt_ids"], max_tokens=case["max_tokens"])
+            out[i] = result.tokens
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(run, i)
+        assert out == [want] * 3
+        stats = engine.stats()
+        assert stats.prefill_tokens == len(case["prompt_ids"]) and stats.forked == 2

@@ -23,6 +23,7 @@ from ..ranks import Mirrored, mirrored
 from .kv import (
     BATCHED,
     SOLO,
+    clone,
     extracted,
     first_kv,
     make_room,
@@ -318,6 +319,21 @@ class Batch:
         self.next_tokens = self.next_tokens[mx.array(keep)]
         self.next_logprobs = [self.next_logprobs[i] for i in keep]
 
+    def forked(self) -> list[Batch]:
+        """A freshly primed batch, one per row: a prompt's forks (several slots on
+        one row's solo caches) split into one-row batches whose caches view the
+        same KV (nothing copied here; joining copies each into the running
+        batch, as it does any joiner's). Any other batch as it is."""
+        if self.batched or len(self.slots) == 1:
+            return [self]
+        out = []
+        for i, (slot, lp) in enumerate(zip(self.slots, self.next_logprobs, strict=True)):
+            caches = self.caches if i == 0 else [clone(c) for c in self.caches]
+            tokens = self.next_tokens[i : i + 1]
+            out.append(Batch(self.model, [slot], caches, next_tokens=tokens, next_logprobs=[lp],
+                             kv=self.kv))  # fmt: skip
+        return out
+
     # -- the step ---------------------------------------------------------------
 
     def make_room(self, feed: int) -> None:
@@ -335,6 +351,9 @@ class Batch:
         it were not there (rows never mix after the forward)."""
         inputs = self.next_tokens
         logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
+        if len(self.slots) > logits.shape[0]:  # forks of one prompt: one row's logits
+            logits = mx.repeat(logits, len(self.slots), axis=0)
+            inputs = mx.repeat(inputs, len(self.slots), axis=0)
         self.settle_precision()
         contexts = []
         if any(getattr(p, "reads_tokens", False) for s in self.slots for p in s.processors):

@@ -50,6 +50,10 @@ class Prefill:
     stop_ids: frozenset[int] = frozenset()  # the row's, carried into its slot
     kv: KvBits | None = None  # KV quantization (see quantize_at)
     taken_at: int = 0  # tokens the prompt-cache take held (generate's chunks count from here)
+    # Rows with this very prompt that ride on this job (``n`` choices of one
+    # request): set by the prefill actor before each turn; ``prime`` samples
+    # their first tokens from the same forward.
+    forks: list[Prefill] = attrs.field(factory=list)
 
     def start_from(self, caches: list[Any] | None, cached: int) -> None:
         """Begin from a prompt-cache take (no caches: from scratch)."""
@@ -125,8 +129,12 @@ class Prefill:
         )  # fmt: skip
 
     def prime(self) -> Batch:
+        """Forward the last prompt token and sample the first token: a slot for
+        this row and one for each fork, all on this row's solo caches (split
+        into one-row batches by ``Batch.forked``)."""
         self._start()
-        batch = Batch(self.model, [self.slot()], self.caches, batched=False, kv=self.kv)
+        slots = [self.slot(), *(fork.slot() for fork in self.forks)]
+        batch = Batch(self.model, slots, self.caches, batched=False, kv=self.kv)
         batch.next_tokens = mx.array(self.prompt[-1:])
         batch.forward()
         return batch
