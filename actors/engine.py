@@ -44,7 +44,8 @@ from .request import Prompt, Request, Result
 from .row import Cancel, Phase, Row, RowView, SessionView, sessions, tree, view
 from .serial import Serial
 from .settings import EngineSettings
-from .stats import Count, KvPrecision, Metric, Mode, Stats, StatsSnapshot
+from .stats import CompiledFigures, Count, KvPrecision, Metric, Mode, Stats, StatsSnapshot
+from .step import fused
 from .step.drafting import DraftModel
 from .step.verify import Speculation
 from .stream import RequestStream
@@ -190,7 +191,12 @@ class Engine:
         return self.intake.project(tokens)
 
     def stats(self) -> StatsSnapshot:
-        return self.stats_actor.snapshot()
+        snapshot = self.stats_actor.snapshot()
+        figures = fused.figures_of(self.model)
+        if figures is None:
+            return snapshot
+        compiled = CompiledFigures(figures.modules, figures.compiled, figures.plain, figures.traces)
+        return attrs.evolve(snapshot, compiled=compiled)
 
     @property
     def kv_budget(self) -> int | None:
@@ -367,7 +373,7 @@ async def _load(
         )  # fmt: skip
     loaded, tokenizer, info = await gpu.call_loading(
         load_model, model, settings.dtype, group, settings.ragged_attention,
-        settings.cpu_softmax, settings.trust_remote_code, settings.kv,
+        settings.cpu_softmax, settings.trust_remote_code, settings.kv, settings.compile,
     )  # fmt: skip
     if sharded and group.rank() != 0:
         await gpu.call_here(follow, loaded, group)
@@ -383,7 +389,7 @@ async def _load(
     if settings.draft_model is not None and settings.speculative:
         draft, drafts = await gpu.call_loading(
             load_draft, settings.draft_model, settings.dtype, tokenizer, info,
-            settings.ragged_attention, settings.cpu_softmax,
+            settings.ragged_attention, settings.cpu_softmax, settings.compile,
         )  # fmt: skip
         # a row's budget holds its draft KV too (whether or not it drafts)
         info = attrs.evolve(

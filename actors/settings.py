@@ -247,6 +247,13 @@ class EngineSettings:
         "into one matmul per key head; off, or without a C compiler: mlx's own. A choice for "
         "the process",
     )  # fmt: skip
+    compile: str = setting(
+        "auto", validator=_one_of(("auto", "on", "off")), parse=str.lower,
+        help="decode steps run the model's RMSNorm and RoPE under mx.compile, their "
+        "operations fused, to the same bits (actors/step/fused.py); auto: on a CPU device, "
+        "where it was measured to pay (1.04-1.19x a forward), off elsewhere, where those "
+        "are single kernels already",
+    )  # fmt: skip
     speculative: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",
         help="speculative decoding in the continuous batch: rows draft tokens by n-gram "

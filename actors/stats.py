@@ -280,6 +280,22 @@ class KvPrecision:
 
 
 @attrs.frozen
+class CompiledFigures:
+    """The decode steps' blocks under ``mx.compile`` (``--compile``; ``step.fused``)."""
+
+    modules: int  # the model's norms and RoPE that run compiled in decode steps
+    calls: int  # their calls that ran compiled (one position a row)
+    plain_calls: int  # their calls at other shapes: prefill chunks, verify steps
+    recompiles: int  # shapes traced: one a block kind and batch size seen
+
+    @property
+    def share(self) -> float:
+        """The share of those blocks' calls that ran compiled."""
+        calls = self.calls + self.plain_calls
+        return self.calls / calls if calls else 0.0
+
+
+@attrs.frozen
 class StatsSnapshot:
     """What ``engine.stats()`` returns."""
 
@@ -351,6 +367,7 @@ class StatsSnapshot:
     time_to_first_token: HistogramSnapshot
     queue_wait: HistogramSnapshot
     step_time: HistogramSnapshot
+    compiled: CompiledFigures | None = None  # None: --compile off
 
     @property
     def batch_kv_bytes_per_token(self) -> float | None:

@@ -207,6 +207,8 @@ def stats_json(s: StatsSnapshot) -> dict:
     body["batch_kv_bytes_per_row"] = s.batch_kv_bytes_per_row
     if s.kv_precision is not None:
         body["kv_precision"] = {**attrs.asdict(s.kv_precision), "name": s.kv_precision.name}
+    if s.compiled is not None:
+        body["compiled"] = {**attrs.asdict(s.compiled), "share": s.compiled.share}
     body["batch"] = {
         k: getattr(s, k)
         for k in (

@@ -12,7 +12,7 @@ from ..budget import LayerCost, probe
 from ..errors import InvalidRequest
 from ..families import family_of
 from ..ranks import SharedInputs, sharded_load
-from ..step import ragged
+from ..step import fused, ragged
 from ..step.drafting import DraftModel
 from .registry import resolve, short_id
 
@@ -42,6 +42,7 @@ def load_model(
     cpu_softmax: bool = True,
     trust_remote_code: bool = False,
     kv: Any = None,
+    compile: str = "off",
 ) -> tuple[Any, Any, ModelInfo]:
     """Load (a directory, hub id or GGUF file; or take a ``(model, tokenizer)``
     pair), cast (see :func:`cast`), and inspect the model's caches.
@@ -51,7 +52,8 @@ def load_model(
     model's inputs go through :class:`ranks.SharedInputs`. The figures (KV costs,
     weight bytes) are then one rank's share. ``kv`` (a ``KvBits``): the KV costs
     count quantized bytes, and a model whose heads its groups do not divide is
-    refused."""
+    refused. ``compile`` (``--compile``: auto, on, off): the decode steps' norms and
+    RoPE under ``mx.compile`` (``step.fused``)."""
     from mlx.utils import tree_flatten
     from mlx_lm import load
     from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -72,6 +74,10 @@ def load_model(
         model, tokenizer = model
     cast(model, dtype)
     ragged.install(model, rows=ragged_attention, exact_softmax=cpu_softmax)
+    if compiled(compile):
+        fused.install(model)
+    else:
+        fused.uninstall(model)  # a model object given again, with compile off
     if sharded:
         model = SharedInputs(model, group)
     caches = make_prompt_cache(model)
@@ -127,6 +133,7 @@ def load_draft(
     info: ModelInfo,
     ragged_attention: bool = True,
     cpu_softmax: bool = True,
+    compile: str = "off",
 ) -> tuple[DraftModel, ModelInfo]:
     """Load a draft model for ``--draft-model`` as the target was loaded, and
     check that it can draft for it: the same vocabulary (token for token) and
@@ -135,7 +142,7 @@ def load_draft(
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     model, draft_tokenizer, draft_info = load_model(
-        path, dtype, None, ragged_attention, cpu_softmax
+        path, dtype, None, ragged_attention, cpu_softmax, compile=compile
     )
     ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if ours != theirs:
@@ -172,6 +179,16 @@ def cast(model: Any, dtype: str | None) -> None:
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
         mx.eval(model.parameters())
+
+
+def compiled(setting: str) -> bool:
+    """Whether ``--compile`` means on here: auto is on on a CPU device (where
+    it was measured to pay), off elsewhere."""
+    import mlx.core as mx
+
+    if setting == "auto":
+        return mx.default_device().type == mx.DeviceType.cpu
+    return setting == "on"
 
 
 def float_dtype(dtype: str | None) -> str | None:
