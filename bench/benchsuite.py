@@ -1206,15 +1206,16 @@ def speculative(
     loads: tuple = SPEC_LOADS,
     rounds: int = 1,
     peers: tuple[str, ...] = (),
+    section: str | None = None,
 ) -> None:
     """The edit workload and natural chat at 1 and 8 clients: ours (the
-    defaults), ours with ``--speculative off``, ours with ``--cpu-softmax off``,
-    ``mlx_lm.server`` and the ``peers``, one server alive at a time. With
+    defaults), ours with ``--speculative off``, ``--cpu-softmax off`` and
+    ``--compile off``, ``mlx_lm.server`` and the ``peers``, one server alive at a time. With
     ``rounds`` above 1 the servers take turns that many times, in reverse order
     every other round (this VM drifts by up to 20% over minutes: in one order,
     the side that runs last takes the drift), and each figure is the mean over
     rounds. The whole set of loads writes the bench:speculative section; a
-    subset writes bench:speculative-rounds."""
+    subset writes ``section`` (default bench:speculative-rounds)."""
     rows = []
     for label, model in models:
         sides = {
@@ -1226,6 +1227,7 @@ def speculative(
             ),
             "ours, speculation off": both_servers(model, "--speculative", "off")[0],
             "ours, mlx's softmax": both_servers(model, "--cpu-softmax", "off")[0],
+            "ours, compile off": both_servers(model, "--compile", "off")[0],
             "ours": both_servers(model)[0],
             **{p: peer_server(p, model) for p in peers},
         }  # fmt: skip
@@ -1259,13 +1261,14 @@ def speculative(
                                               strict=True))  # fmt: skip
             ours, off = got["ours"][key], got["ours, speculation off"][key]
             slow = got["ours, mlx's softmax"][key]
+            plain = got["ours, compile off"][key]
             spread = ""
             if rounds > 1:
                 spread = " | " + ", ".join(
                     f"{o['tps'] / b['tps']:.2f}x"
                     for o, b in zip(runs["ours"][key], runs["mlx_lm.server"][key], strict=True)
                 )
-            sides_here = (off, slow, ours, *(got[p][key] for p in peers))
+            sides_here = (off, slow, plain, ours, *(got[p][key] for p in peers))
             rate = " | ".join(f"{r['tps']:.1f} ({r['tps'] / base[key]['tps']:.2f}x)"
                               for r in sides_here)  # fmt: skip
             rows.append(
@@ -1277,7 +1280,7 @@ def speculative(
             SPEC_TEXTS[:] = base[("edit", 1)]["texts"]
             share = _copied_share(model)
             rows.append(f"| {label} | edit answers' 3-grams found in their prompt | "
-                        f"{100 * share:.0f}% |" + " |" * (7 + len(peers)))  # fmt: skip
+                        f"{100 * share:.0f}% |" + " |" * (8 + len(peers)))  # fmt: skip
     rounds_note = (
         f" {rounds} rounds, the servers taking turns in reverse order every other round; "
         "each rate is the mean over rounds (the other figures are the median round's), "
@@ -1298,15 +1301,15 @@ def speculative(
         f"to mlx_lm.server's.{rounds_note}{peers_note}",
         "",
         "| model | load | clients | mlx_lm.server tok/s | ours, speculation off | ours, "
-        "mlx's softmax (`--cpu-softmax off`) | ours (defaults) | "
+        "mlx's softmax (`--cpu-softmax off`) | ours, `--compile off` | ours (defaults) | "
         + "".join(f"{p} | " for p in peers)
         + "tokens per step (row) | drafts kept / drafted | same text |"
         + (" rounds |" if rounds > 1 else ""),
-        "| --- " * (10 + len(peers)) + "|" + (" --- |" if rounds > 1 else ""),
+        "| --- " * (11 + len(peers)) + "|" + (" --- |" if rounds > 1 else ""),
         *rows,
     ])  # fmt: skip
     whole = set(loads) == set(SPEC_LOADS)
-    _write_section("speculative" if whole else "speculative-rounds", body)
+    _write_section("speculative" if whole else section or "speculative-rounds", body)
 
 
 def float32_copy(gguf_file: Path) -> Path:
@@ -1397,6 +1400,11 @@ def main() -> int:
         "--spec-loads", metavar="KIND:CLIENTS,...",
         help="--speculative: only these loads, e.g. natural:8 (written to their own section)",
     )  # fmt: skip
+    parser.add_argument(
+        "--spec-section", metavar="NAME",
+        help="--speculative with --spec-loads: the docs/benchmarks.md section to write "
+        "(default speculative-rounds)",
+    )  # fmt: skip
     parser.add_argument("--tp-rank", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tp_rank:  # one rank of mlx_lm_tp, under the launcher
@@ -1446,7 +1454,8 @@ def main() -> int:
         if args.spec_loads:
             wanted = {tuple(x.split(":")) for x in args.spec_loads.split(",")}
             loads = tuple(load for load in SPEC_LOADS if (load[0], str(load[1])) in wanted)
-        speculative(models, loads, args.rounds, tuple(PEERS) if args.peers else ())
+        peers = tuple(PEERS) if args.peers else ()
+        speculative(models, loads, args.rounds, peers, args.spec_section)
         return 0
     if args.real:
         args.model = str(float32_copy(fetch(DEFAULT)))

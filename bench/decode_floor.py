@@ -1,7 +1,7 @@
-"""Where a B=1 decode step's time goes on SmolLM2-135M float32: issue 47's
-"measure first", and the probe of what ``mx.compile`` can win.
+"""Where a decode step's time goes on SmolLM2-135M float32 (and the bench llama
+30M): issue 47's "measure first", and the probe of what ``mx.compile`` can win.
 
-Five figures, from one process, one after the other:
+Six figures, from one process, one after the other:
 
 - mlx-lm: greedy decode with mlx-lm's own caches, pipelined as ``generate_step``
   is (the next step built while this one computes);
@@ -14,7 +14,12 @@ Five figures, from one process, one after the other:
 - mlx-lm's ``BatchGenerator`` at B=8: aggregate decode tok/s after every row's
   first token;
 - the matmul floor: every ``Linear`` of the model and the tied head as one
-  ``x @ W.T`` each at B=1 and B=8 (the bytes a step must read, and nothing else).
+  ``x @ W.T`` each at B=1 and B=8 (the bytes a step must read, and nothing else);
+- the breakdown at B=1, 4 and 8 on both models (rows of ``KEYS`` keys in
+  mlx-lm's ``BatchKVCache``): the forward, its attention, its matmul floor, the
+  rest; and the forward with the RMSNorms and RoPE under ``mx.compile`` at
+  decode shapes, the cache-free blocks a compiled step could fuse without a
+  fixed capacity, its logits checked bit-equal to the plain forward's.
 
 The compiled and static tokens are checked equal to mlx-lm's.
 
@@ -26,6 +31,7 @@ Writes its table into docs/benchmarks.md (section ``decode-floor``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -152,6 +158,105 @@ def matmul_floor(model, batch: int) -> tuple[float, int, int]:
     return timed(once, runs=10), len(weights), sum(w.nbytes for w in weights)
 
 
+KEYS = 450  # keys a row holds in the breakdown (a short agent turn)
+
+
+@contextlib.contextmanager
+def compiled_norms_and_rope():
+    """Every ``nn.RMSNorm`` and ``nn.RoPE`` call on one position a row (a decode
+    step) under ``mx.compile``: their CPU fallbacks (9 and 21 operations) fused
+    where they are elementwise. Other shapes (prefill) run as they are."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    norm, rope, fns = nn.RMSNorm.__call__, nn.RoPE.__call__, {}
+
+    def fused_norm(self, x):
+        if x.ndim != 3 or x.shape[1] != 1:
+            return norm(self, x)
+        eps = self.eps
+        fn = fns.setdefault(("norm", eps), mx.compile(lambda x, w: mx.fast.rms_norm(x, w, eps)))
+        return fn(x, self["weight"])
+
+    def fused_rope(self, x, offset=0):
+        if x.ndim != 4 or x.shape[2] != 1:
+            return rope(self, x, offset)
+        key = ("rope", self.dims, self.traditional, self.base, self.scale)
+        dims, traditional, base, scale = key[1:]
+        fn = fns.setdefault(key, mx.compile(lambda x, at: mx.fast.rope(
+            x, dims, traditional=traditional, base=base, scale=scale, offset=at)))  # fmt: skip
+        return fn(x, offset if isinstance(offset, mx.array) else mx.array(offset))
+
+    nn.RMSNorm.__call__, nn.RoPE.__call__ = fused_norm, fused_rope
+    try:
+        yield
+    finally:
+        nn.RMSNorm.__call__, nn.RoPE.__call__ = norm, rope
+
+
+def breakdown(model, rows: int) -> dict[str, float | bool]:
+    """One decode step of ``rows`` rows of ``KEYS`` keys each in mlx-lm's
+    ``BatchKVCache`` (ms): the forward, the forward with attention left out, the
+    matmul floor; the forward with norms and RoPE compiled (alternated with the
+    plain one three times, medians), and whether its logits equal the plain
+    forward's bit for bit."""
+    import statistics
+
+    import mlx.core as mx
+    from step_lengths import no_attention, step_ms
+
+    def logits(caches):
+        return model(mx.array([[7]] * rows), cache=caches)
+
+    plain, fused = [], []
+    for _ in range(3):
+        plain.append(step_ms(model, [KEYS] * rows))
+        with compiled_norms_and_rope():
+            fused.append(step_ms(model, [KEYS] * rows))
+    with no_attention(model):
+        weights = step_ms(model, [KEYS] * rows)
+    a, b = _caches(model, rows), _caches(model, rows)
+    want = logits(a)
+    with compiled_norms_and_rope():
+        got = logits(b)
+    return {"forward": statistics.median(plain), "no_attention": weights,
+            "floor": matmul_floor(model, rows)[0], "fused": statistics.median(fused),
+            "equal": bool(mx.array_equal(want, got).item())}  # fmt: skip
+
+
+def _caches(model, rows: int) -> list:
+    """``rows`` rows of ``KEYS`` tokens prefilled into mlx-lm's batch caches."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    caches = [BatchKVCache([0] * rows) for _ in model.layers]
+    model(mx.array([[5 + i] * KEYS for i in range(rows)]), cache=caches)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def breakdown_table(models: dict[str, object]) -> list[str]:
+    lines = [
+        f"Where a decode step's time goes (rows of {KEYS} keys, mlx-lm's forward on its "
+        "`BatchKVCache`, ms a step; attention = forward - forward without it; the rest = "
+        "forward without attention - the matmul floor):",
+        "",
+        "| model | B | forward | matmul floor | attention | the rest | norms + RoPE compiled "
+        "| against plain | logits equal |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, model in models.items():
+        for rows in (1, 4, 8):
+            f = breakdown(model, rows)
+            lines.append(
+                f"| {name} | {rows} | {f['forward']:.1f} | {f['floor']:.1f} | "
+                f"{f['forward'] - f['no_attention']:.1f} | {f['no_attention'] - f['floor']:.1f} "
+                f"| {f['fused']:.1f} | {f['forward'] / f['fused']:.2f}x | {f['equal']} |"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=200)
@@ -196,6 +301,11 @@ def main() -> int:
         "|---|---|---|---|---|",
         *[f"| {' | '.join(row)} |" for row in rows],
     ]
+    bench_llama = Path.home() / ".cache/mlx-nursery/bench-llama-30m"
+    others = {"SmolLM2-135M": model}
+    if (bench_llama / "config.json").is_file():
+        others["bench llama 30M"] = load(str(bench_llama))[0]
+    lines += ["", *breakdown_table(others)]
     body = "\n".join(lines)
     print(body)
     _write_section("decode-floor", body)
