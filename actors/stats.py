@@ -286,7 +286,7 @@ class CompiledFigures:
     modules: int  # the model's norms and RoPE that run compiled in decode steps
     calls: int  # their calls that ran compiled (one position a row)
     plain_calls: int  # their calls at other shapes: prefill chunks, verify steps
-    recompiles: int  # shapes traced: one a block kind and batch size seen
+    recompiles: int  # traces: one a block and input shape (batch size, heads) seen
 
     @property
     def share(self) -> float:

@@ -52,7 +52,8 @@ async def test_on_and_off_give_the_same_tokens_and_on_reports_its_figures(batch)
     assert stats.compiled is not None  # the last engine: on
     assert stats.compiled.modules == fused.installed(loaded("llama")[0]) > 0
     assert stats.compiled.calls > 0 and 0 < stats.compiled.share < 1
-    assert 0 < stats.compiled.recompiles <= 2 * 8  # a block kind and a batch size each
+    # a trace a block and shape (batch size, heads): the steps' shapes repeat
+    assert 0 < stats.compiled.recompiles < stats.compiled.calls / 10
 
 
 async def test_off_reports_none_and_a_bad_value_names_the_setting():
