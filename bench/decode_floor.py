@@ -17,9 +17,9 @@ Six figures, from one process, one after the other:
   ``x @ W.T`` each at B=1 and B=8 (the bytes a step must read, and nothing else);
 - the breakdown at B=1, 4 and 8 on both models (rows of ``KEYS`` keys in
   mlx-lm's ``BatchKVCache``): the forward, its attention, its matmul floor, the
-  rest; and the forward with the RMSNorms and RoPE under ``mx.compile`` at
-  decode shapes, the cache-free blocks a compiled step could fuse without a
-  fixed capacity, its logits checked bit-equal to the plain forward's.
+  rest; and the forward with the engine's compiled blocks (``--compile``: the
+  RMSNorms and RoPE under ``mx.compile`` at decode shapes, no fixed capacity
+  needed), its logits checked bit-equal to the plain forward's.
 
 The compiled and static tokens are checked equal to mlx-lm's.
 
@@ -162,36 +162,16 @@ KEYS = 450  # keys a row holds in the breakdown (a short agent turn)
 
 
 @contextlib.contextmanager
-def compiled_norms_and_rope():
-    """Every ``nn.RMSNorm`` and ``nn.RoPE`` call on one position a row (a decode
-    step) under ``mx.compile``: their CPU fallbacks (9 and 21 operations) fused
-    where they are elementwise. Other shapes (prefill) run as they are."""
-    import mlx.core as mx
-    import mlx.nn as nn
+def compiled_norms_and_rope(model):
+    """The engine's compiled blocks (``--compile``: ``actors/step/fused.py``) on
+    ``model`` for the time of the block."""
+    from mlx_nursery.actors.step import fused
 
-    norm, rope, fns = nn.RMSNorm.__call__, nn.RoPE.__call__, {}
-
-    def fused_norm(self, x):
-        if x.ndim != 3 or x.shape[1] != 1:
-            return norm(self, x)
-        eps = self.eps
-        fn = fns.setdefault(("norm", eps), mx.compile(lambda x, w: mx.fast.rms_norm(x, w, eps)))
-        return fn(x, self["weight"])
-
-    def fused_rope(self, x, offset=0):
-        if x.ndim != 4 or x.shape[2] != 1:
-            return rope(self, x, offset)
-        key = ("rope", self.dims, self.traditional, self.base, self.scale)
-        dims, traditional, base, scale = key[1:]
-        fn = fns.setdefault(key, mx.compile(lambda x, at: mx.fast.rope(
-            x, dims, traditional=traditional, base=base, scale=scale, offset=at)))  # fmt: skip
-        return fn(x, offset if isinstance(offset, mx.array) else mx.array(offset))
-
-    nn.RMSNorm.__call__, nn.RoPE.__call__ = fused_norm, fused_rope
+    fused.install(model)
     try:
         yield
     finally:
-        nn.RMSNorm.__call__, nn.RoPE.__call__ = norm, rope
+        fused.uninstall(model)
 
 
 def breakdown(model, rows: int) -> dict[str, float | bool]:
@@ -211,13 +191,13 @@ def breakdown(model, rows: int) -> dict[str, float | bool]:
     plain, fused = [], []
     for _ in range(3):
         plain.append(step_ms(model, [KEYS] * rows))
-        with compiled_norms_and_rope():
+        with compiled_norms_and_rope(model):
             fused.append(step_ms(model, [KEYS] * rows))
     with no_attention(model):
         weights = step_ms(model, [KEYS] * rows)
     a, b = _caches(model, rows), _caches(model, rows)
     want = logits(a)
-    with compiled_norms_and_rope():
+    with compiled_norms_and_rope(model):
         got = logits(b)
     return {"forward": statistics.median(plain), "no_attention": weights,
             "floor": matmul_floor(model, rows)[0], "fused": statistics.median(fused),

@@ -36,8 +36,7 @@ class Figures:
     modules: int = 0  # the model's modules that run compiled in decode steps
     compiled: int = 0
     plain: int = 0
-    traces: int = 0
-    _seen: set = attrs.field(factory=set, repr=False)
+    _seen: set = attrs.field(factory=set, repr=False)  # (block, input shapes) traced
     _fns: dict = attrs.field(factory=dict, repr=False)
 
     def fn(self, key: tuple, make: Any) -> Any:
@@ -48,10 +47,11 @@ class Figures:
         return fn
 
     def traced(self, key: tuple, *arrays: mx.array) -> None:
-        shape = (key, *((a.shape, a.dtype) for a in arrays))
-        if shape not in self._seen:
-            self._seen.add(shape)
-            self.traces += 1
+        self._seen.add((key, *((a.shape, a.dtype) for a in arrays)))
+
+    @property
+    def traces(self) -> int:
+        return len(self._seen)
 
 
 class FusedRMSNorm(nn.RMSNorm):
