@@ -272,3 +272,24 @@ def test_folded_decode_attention_is_mlx_lms_to_the_bit(bits, rows, heads, kv_hea
         )
         got = decode_attention(q, k, v, 0.125, mask, 64, bits)
         assert mx.array_equal(got, want).item()
+
+
+async def test_a_device_without_quantized_attention_refuses_kv_bits_at_load(monkeypatch):
+    """mlx's CUDA build has no ``quantized_matmul`` for a prefill's shapes (seen on
+    an H200, mlx 0.32.4: every prompt's prefill failed). ``--kv-bits`` is then
+    refused at load, naming the flag, rather than failing each request. The CPU's
+    ``quantized_matmul`` is made to refuse more than one query as CUDA's does."""
+    real = mx.quantized_matmul
+
+    def cuda_like(x, *args, **kwargs):
+        if x.shape[-2] > 1:
+            raise RuntimeError("[quantized_matmul] No implementation for problem shape")
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "quantized_matmul", cuda_like)
+    with pytest.raises(ValueError, match=r"--kv-bits 8: mlx on this device .* leave --kv-bits off"):
+        async with checked_engine("llama_h64", kv_bits=8):
+            pass
+    monkeypatch.setattr(mx, "quantized_matmul", real)
+    async with checked_engine("llama_h64", kv_bits=8) as engine:  # where mlx has it: served
+        assert len((await engine.generate([5, 6, 7], max_tokens=4)).tokens) == 4

@@ -14,6 +14,7 @@ from ..families import family_of
 from ..ranks import SharedInputs, sharded_load
 from ..step import fused, ragged
 from ..step.drafting import DraftModel
+from ..step.quantized import runs_here
 from .registry import resolve, short_id
 
 
@@ -95,6 +96,8 @@ def load_model(
         weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
         think=thinking_markers(tokenizer),
     )
+    if kv is not None:
+        runs_here(kv, model)
     return model, tokenizer, info
 
 

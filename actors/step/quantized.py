@@ -93,6 +93,31 @@ class KvBits:
         )
 
 
+def runs_here(kv: KvBits, model: Any) -> None:
+    """mlx's quantized attention tried on this device before any request needs
+    it: a prompt of a few tokens, then a prefill chunk and a decode step through
+    the caches quantized. mlx's CUDA build has no ``quantized_matmul`` for a
+    prefill's shapes (seen on an H200, mlx 0.32.4: every prompt's prefill
+    failed), so there ``--kv-bits`` is refused at load, saying so, instead of
+    failing each request (GPU thread)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    model(mx.array([[0] * 4]), cache=caches)
+    kv.all_quantized(caches)
+    if not any(quantized_kind(c) for c in caches):
+        return  # no layer mlx-lm would quantize
+    try:
+        mx.eval(model(mx.array([[0] * 8]), cache=caches))
+        mx.eval(model(mx.array([[0]]), cache=caches))
+    except RuntimeError as exc:
+        raise ValueError(
+            f"--kv-bits {kv.bits}: mlx on this device ({mx.default_device()}) cannot run "
+            f"quantized attention for this model (mlx says: {exc}); leave --kv-bits off "
+            "here (mlx's CPU and Metal builds have it)"
+        ) from exc
+
+
 def _plain(c: Any) -> bool:
     return type(c) in (KVCache, BatchKVCache)
 
