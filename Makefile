@@ -102,6 +102,7 @@ bench: install openblas clients
 	$(BIN)/python bench/choices.py --model $(BENCH_MODEL)
 	$(BIN)/python bench/quantized_kv.py
 	$(BIN)/python bench/decode_floor.py
+	$(BIN)/python bench/compiled_step.py --openblas --real --model "bench llama 30M=$(BENCH_MODEL)" --extras --section compiled-step
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
 # prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.
