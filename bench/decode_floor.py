@@ -38,89 +38,12 @@ import time
 from pathlib import Path
 
 from benchsuite import _write_section, blas, float32_copy
+from compiled_step import CAPACITY, fixed_decode, mlx_lm_decode
 from mlx_nursery.actors.models import registry
 from mlx_nursery.server.serve import find_openblas
 from step_lengths import timed
 
 PROMPT = "Write a short story about a robot who learns to paint."
-CAPACITY = 512
-
-
-class FixedKV:
-    """One layer's KV at a fixed capacity: written at an array offset, read whole,
-    the positions past the offset masked (so the traced graph repeats)."""
-
-    def __init__(self, keys, values) -> None:
-        self.keys, self.values = keys, values
-        self.offset = self.start = None  # set each step, as arrays
-
-    def update_and_fetch(self, keys, values):
-        import mlx.core as mx
-
-        self.keys = mx.slice_update(self.keys, keys, self.start, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.start, axes=(2,))
-        return self.keys, self.values
-
-    def make_mask(self, n: int, return_array: bool = False, window_size=None):
-        import mlx.core as mx
-
-        return mx.arange(self.keys.shape[2])[None] <= (self.offset + mx.arange(n))[:, None]
-
-
-def mlx_lm_decode(model, prompt, n: int) -> tuple[list[int], float]:
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    y = mx.argmax(model(prompt[None], cache=cache)[:, -1], -1)
-    mx.eval(y)
-    out, start = [], time.perf_counter()
-    for _ in range(n):
-        nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1], -1)
-        mx.async_eval(nxt)
-        out.append(y.item())
-        y = nxt
-    return out, n / (time.perf_counter() - start)
-
-
-def fixed_decode(model, prompt, n: int, compiled: bool) -> tuple[list[int], float, float]:
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    solo = make_prompt_cache(model)
-    y = mx.argmax(model(prompt[None], cache=solo)[:, -1], -1)
-    caches, kv, used = [], [], prompt.size
-    for c in solo:
-        b, h, _, d = c.keys.shape
-        keys = mx.zeros((b, h, CAPACITY, d), c.keys.dtype)
-        values = mx.zeros((b, h, CAPACITY, d), c.values.dtype)
-        keys[..., :used, :] = c.keys[..., :used, :]
-        values[..., :used, :] = c.values[..., :used, :]
-        caches.append(FixedKV(keys, values))
-        kv += [keys, values]
-    mx.eval(kv, y)
-
-    def forward(tokens, offset, *kv):
-        for i, c in enumerate(caches):
-            c.keys, c.values, c.offset, c.start = kv[2 * i], kv[2 * i + 1], offset, offset[None]
-        token = mx.argmax(model(tokens, cache=caches)[:, -1], -1)
-        return (token, *[a for c in caches for a in (c.keys, c.values)])
-
-    step = mx.compile(forward) if compiled else forward
-    offset = mx.array(used)
-    start = time.perf_counter()
-    nxt, *kv = step(y[:, None], offset, *kv)
-    mx.eval(nxt, kv)
-    first = time.perf_counter() - start
-    out = [y.item()]
-    y, offset = nxt, offset + 1
-    start = time.perf_counter()
-    for _ in range(n - 1):
-        nxt, *kv = step(y[:, None], offset, *kv)
-        mx.async_eval(nxt, kv)
-        out.append(y.item())
-        y, offset = nxt, offset + 1
-    return out, (n - 1) / (time.perf_counter() - start), first
 
 
 def batch_decode(model, tokenizer, rows: int, n: int) -> float:
