@@ -14,8 +14,15 @@ For each model and dtype, in one process:
 
 Every side stops at the model's end token (the same greedy tokens on every
 side, so the same work); the engine runs with speculation off (the step is what
-is measured) and no prompt cache.
-Sides alternate over ``--rounds``; the medians are shown.
+is measured) and no prompt cache. Sides take turns over ``--rounds``, after
+``--warmup`` untimed rounds (mlx builds kernels on first use: on CUDA, inside
+whichever side runs a shape first); the medians are shown. The engine's B = 1
+step is also split into its GPU call and the rest (the event loop's turn
+between calls; the wall time a step takes counts the prompt's prefill too).
+
+``--extras``: the engine at B = 8 with 8-bit and 4-bit KV against float KV,
+and one prompt's 4 sampled choices at once (forked from one prefill) against
+the same 4 requests one after another.
 
 ``--random DIR`` takes a model's ``config.json`` and tokenizer from DIR and
 draws seeded weights for it (``goldens/make_models.py``'s), so a machine that
