@@ -37,6 +37,8 @@ from pathlib import Path
 import attrs
 import httpx
 import trio
+from compiled_step import chat
+from compiled_step import mlx_batch as batch_generator
 from edits import edit_messages, natural_messages  # bench/ (this script's folder)
 from mlx_nursery.actors.disk_cache import KV_DIR_ENV
 from mlx_nursery.actors.models.load import cast
@@ -67,10 +69,7 @@ def summary(values: list[float]) -> dict:
 def single_prompt(tokenizer) -> list[int]:
     """The one-request prompt: chat-templated where the model has a template (an
     instruct model answers a bare instruction with its end token)."""
-    if getattr(tokenizer, "chat_template", None):
-        chat = [{"role": "user", "content": PROMPT}]
-        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True))
-    return list(tokenizer.encode(PROMPT))
+    return chat(tokenizer, PROMPT)
 
 
 def mlx_single(model, tokenizer) -> float:
@@ -97,17 +96,8 @@ def batch_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def mlx_batch(model, tokenizer, n: int) -> float:
-    from mlx_lm.generate import BatchGenerator
-
-    ids = batch_prompts(tokenizer, n)
-    t0 = time.perf_counter()
-    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
-    gen.insert(ids, max_tokens=[BATCH_TOKENS] * n)
-    tokens = 0
-    while responses := gen.next_generated():
-        tokens += len(responses)
-    gen.close()
-    return tokens / (time.perf_counter() - t0)
+    return batch_generator(model, batch_prompts(tokenizer, n), BATCH_TOKENS,
+                           tokenizer.eos_token_ids)  # fmt: skip
 
 
 def engine_batch(model, tokenizer, n: int) -> float:

@@ -235,27 +235,36 @@ def random_model(config_dir: Path, dtype: str, seed: int = 47) -> Path:
     return out
 
 
-def measure(folder: Path, label: str, dtype: str, n: int, rounds: int, warmup: int) -> list[dict]:
+def load_as(folder: Path, dtype: str) -> tuple:
+    """The model (cast to ``dtype``, evaluated) and its tokenizer."""
     import mlx.core as mx
     from mlx_lm import load
 
     model, tokenizer = load(str(folder))
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def medians(runs: dict[str, list[float]], warmup: int) -> dict[str, float]:
+    """Each side's median over the timed rounds (the first ``warmup`` dropped)."""
+    return {k: statistics.median(v[warmup:]) for k, v in runs.items()}
+
+
+def measure(model, tokenizer, label: str, dtype: str, n: int, rounds: int,
+            warmup: int) -> list[dict]:  # fmt: skip
+    """The B = 1 row and the B = 4 and 8 rows of the table. The first ``warmup``
+    rounds are not timed: kernels built on first use (mlx's CUDA JIT) are no
+    side's cost."""
+    import mlx.core as mx
+
     stop = set(tokenizer.eos_token_ids)
     prompt = chat(tokenizer, PROMPT)
-    rows = []
     one = {"mlx": [], "off": [], "on": [], "fixed": [], "fixed_c": []}
     equal = {"off": True, "on": True, "fixed": True, "fixed_c": True}
     opened = {"off": [], "on": []}
     split = []  # (GPU call ms, wall ms) a step, compile off
-    for _ in range(warmup):  # kernels built on first use (mlx's CUDA JIT) are no side's
-        mlx_lm_decode(model, mx.array(prompt), n, stop)
-        for side in ("off", "on"):
-            engine_run(model, tokenizer, [prompt], n, side, dtype)
-        for compiled in (False, True):
-            fixed_decode(model, mx.array(prompt), n, compiled)
-    for _ in range(rounds):
+    for _ in range(warmup + rounds):
         want, rate = mlx_lm_decode(model, mx.array(prompt), n, stop)
         one["mlx"].append(rate)
         for side in ("off", "on"):
@@ -269,55 +278,43 @@ def measure(folder: Path, label: str, dtype: str, n: int, rounds: int, warmup: i
             got, rate, _ = fixed_decode(model, mx.array(prompt), len(want), compiled)
             one[side].append(rate)
             equal[side] &= got == want
-    med = {k: statistics.median(v) for k, v in one.items()}
-    rows.append({"label": label, "dtype": dtype, "B": 1, **med, "equal": equal, "n": len(want),
-                 "opened": {k: min(v) for k, v in opened.items()},
-                 "split": min(split, key=lambda x: x[1])})  # fmt: skip
+    rows = [{"label": label, "dtype": dtype, "B": 1, **medians(one, warmup), "equal": equal,
+             "n": len(want), "opened": {k: min(v[warmup:]) for k, v in opened.items()},
+             "split": min(split[warmup:], key=lambda x: x[1])}]  # fmt: skip
     for b in (4, 8):
         prompts = [chat(tokenizer, q) for q in QUESTIONS[:b]]
         agg = {"mlx": [], "off": [], "on": []}
-        for _ in range(warmup):
-            mlx_batch(model, prompts, n, stop)
-            for side in ("off", "on"):
-                engine_run(model, tokenizer, prompts, n, side, dtype)
-        for _ in range(rounds):
+        for _ in range(warmup + rounds):
             agg["mlx"].append(mlx_batch(model, prompts, n, stop))
             for side in ("off", "on"):
                 agg[side].append(engine_run(model, tokenizer, prompts, n, side, dtype)["rate"])
-        rows.append({"label": label, "dtype": dtype, "B": b,
-                     **{k: statistics.median(v) for k, v in agg.items()}})  # fmt: skip
+        rows.append({"label": label, "dtype": dtype, "B": b, **medians(agg, warmup)})
         print(rows[-1], flush=True)
     print(rows[0], flush=True)
     return rows
 
 
-def extras(folder: Path, label: str, dtype: str, n: int, rounds: int, warmup: int) -> dict:
+def extras(model, tokenizer, label: str, dtype: str, n: int, rounds: int, warmup: int) -> dict:
     """Issue 45's rows on this backend: 8 rows with float, 8-bit and 4-bit KV
     (aggregate tok/s), and one prompt's 4 sampled choices decoded together (the
     engine forks them from one prefill) against the same 4 one after another."""
-    import mlx.core as mx
-    from mlx_lm import load
-
-    model, tokenizer = load(str(folder))
-    model.set_dtype(getattr(mx, dtype))
     prompts = [chat(tokenizer, q) for q in QUESTIONS]
     runs = {"float": [], "8": [], "4": [], "together": [], "apart": []}
-    for i in range(warmup + rounds):
+    for _ in range(warmup + rounds):
         for bits in ("float", "8", "4"):
             kv = {} if bits == "float" else {"kv_bits": int(bits)}
             try:
                 r = engine_run(model, tokenizer, prompts, n, "off", dtype, **kv)
-                runs[bits].append(r["rate"] if i >= warmup else None)
+                runs[bits].append(r["rate"])
             except Exception as exc:  # refused where mlx cannot run quantized attention
                 print(f"{bits} KV failed: {exc!r}"[:400], flush=True)
-                runs[bits].append(float("nan") if i >= warmup else None)
+                runs[bits].append(float("nan"))
         same = [chat(tokenizer, PROMPT)] * 4
         for side, together in (("together", True), ("apart", False)):
             r = engine_run(model, tokenizer, same, n, "off", dtype, together,
                            params=lambda i: {"temperature": 1.0, "seed": 7 + i})  # fmt: skip
-            runs[side].append(r["rate"] if i >= warmup else None)
-    med = {k: statistics.median(x for x in v if x is not None) for k, v in runs.items()}
-    out = {"label": label, "dtype": dtype, **med}
+            runs[side].append(r["rate"])
+    out = {"label": label, "dtype": dtype, **medians(runs, warmup)}
     print(out, flush=True)
     return out
 
@@ -377,6 +374,17 @@ def table(rows: list[dict], n: int, rounds: int, backend: str) -> str:
     return "\n".join(lines)
 
 
+def with_openblas(script: str) -> None:
+    """Re-run ``script`` (this process's own) with OpenBLAS preloaded, where it is
+    installed and not preloaded yet (``mlx-nursery serve`` does the same)."""
+    from mlx_nursery.server.serve import find_openblas
+
+    lib = find_openblas()
+    if lib and "openblas" not in os.environ.get("LD_PRELOAD", ""):
+        argv = [sys.executable, str(Path(script).resolve()), *sys.argv[1:]]
+        os.execve(sys.executable, argv, dict(os.environ, LD_PRELOAD=lib))
+
+
 def backend() -> str:
     import mlx.core as mx
 
@@ -409,12 +417,7 @@ def main() -> int:
     parser.add_argument("--openblas", action="store_true", help="re-run with OpenBLAS")
     args = parser.parse_args()
     if args.openblas:
-        from mlx_nursery.server.serve import find_openblas
-
-        lib = find_openblas()
-        if lib and "openblas" not in os.environ.get("LD_PRELOAD", ""):
-            argv = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
-            os.execve(sys.executable, argv, dict(os.environ, LD_PRELOAD=lib))
+        with_openblas(__file__)
     if args.real:
         from benchsuite import float32_copy
         from mlx_nursery.actors.models import registry
@@ -427,10 +430,12 @@ def main() -> int:
             label, _, folder = spec.partition("=")
             folder = random_model(Path(folder), dtype) if random else Path(folder)
             label += " (seeded weights)" if random else ""
+            model, tokenizer = load_as(folder, dtype)
+            timing = (label, dtype, args.tokens, args.rounds, args.warmup)
             if not args.no_table:
-                rows += measure(folder, label, dtype, args.tokens, args.rounds, args.warmup)
+                rows += measure(model, tokenizer, *timing)
             if args.extras or args.no_table:
-                more.append(extras(folder, label, dtype, args.tokens, args.rounds, args.warmup))
+                more.append(extras(model, tokenizer, *timing))
             if random:
                 shutil.rmtree(folder, ignore_errors=True)
     body = table(rows, args.tokens, args.rounds, backend()) if rows else backend()

@@ -32,15 +32,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import sys
 import time
 from pathlib import Path
 
 from benchsuite import _write_section, blas, float32_copy
-from compiled_step import CAPACITY, fixed_decode, mlx_lm_decode
+from compiled_step import CAPACITY, fixed_decode, mlx_lm_decode, with_openblas
 from mlx_nursery.actors.models import registry
-from mlx_nursery.server.serve import find_openblas
 from step_lengths import timed
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -164,10 +161,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=200)
     args = parser.parse_args()
-    lib = find_openblas()
-    if lib and "openblas" not in os.environ.get("LD_PRELOAD", ""):
-        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()),
-                                   *sys.argv[1:]], dict(os.environ, LD_PRELOAD=lib))  # fmt: skip
+    with_openblas(__file__)
     import mlx.core as mx
     from mlx_lm import load
 
