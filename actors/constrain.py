@@ -29,11 +29,20 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int | None) -> Any | None:
     """llguidance's view of the model's tokenizer (about a second for a large
     vocabulary: built once, at load), or None where it cannot be made."""
     try:
+        from llguidance import LLTokenizer
         from llguidance.hf import from_tokenizer
 
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         eos = list(getattr(tokenizer, "eos_token_ids", []) or []) or None
-        return from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is None or backend.padding is not None or backend.truncation is not None:
+            return from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+        # What from_tokenizer builds from, without its copy of the Rust tokenizer
+        # (made only to turn padding and truncation off, which are off here): the
+        # copy parses the tokenizer's JSON once more, holding the GIL (Gemma 3's
+        # 262k vocabulary: 1.2 s in which no other model decodes or streams).
+        eos = eos if eos is not None else hf.eos_token_id
+        return LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
     except Exception:
         return None
 

@@ -123,3 +123,24 @@ async def test_an_invalid_schema_is_a_400_naming_response_format():
                     r = await client.post("/v1/chat/completions", json=body)
                     assert r.status_code == 400, (fmt, r.text)
                     assert r.json()["error"]["param"] == "response_format"
+
+
+def test_llguidances_tokenizer_is_built_without_a_second_parse():
+    """``ll_tokenizer`` builds llguidance's tokenizer from the model tokenizer's
+    JSON without ``from_tokenizer``'s copy of it (a second parse under the GIL):
+    the same tokenizer, token for token, as ``from_tokenizer``'s."""
+    from conftest import loaded
+    from llguidance.hf import from_tokenizer
+    from mlx_nursery.actors.constrain import ll_tokenizer
+
+    for family in ("llama", "qwen3", "gemma3_text"):
+        _, tokenizer = loaded(family)
+        hf = tokenizer._tokenizer
+        ours = ll_tokenizer(tokenizer, None)
+        theirs = from_tokenizer(hf, eos_token=list(tokenizer.eos_token_ids))
+        every = list(range(theirs.vocab_size))
+        figures = ("vocab_size", "eos_tokens", "is_canonical")
+        assert [getattr(ours, f) for f in figures] == [getattr(theirs, f) for f in figures]
+        assert ours.dbg_tokens(every) == theirs.dbg_tokens(every)
+        text = 'Tool call: {"name": "get", "x": 12}\n'
+        assert ours.tokenize_str(text) == theirs.tokenize_str(text)
