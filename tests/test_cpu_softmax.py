@@ -218,3 +218,57 @@ def test_a_model_generates_the_same_bits_through_the_library(family, every_call)
         assert every_call, "the library was not reached"
     finally:
         ragged.install(model)
+
+
+QUANTIZED = [  # rows, query heads, key heads, keys, dim, bits, group
+    (8, 9, 3, 453, 64, 8, 64),
+    (8, 9, 3, 1100, 64, 4, 64),
+    (2, 4, 4, 37, 64, 8, 32),
+    (1, 8, 2, 300, 128, 4, 128),
+    (3, 6, 2, 17, 64, 4, 32),
+]
+
+
+@pytest.mark.parametrize("case", QUANTIZED, ids=[str(c) for c in QUANTIZED])
+def test_quantized_decode_attention_is_mlx_lms_to_the_bit(case, monkeypatch):
+    """One query a row against a quantized cache's planes, sliced out of a
+    larger buffer as the cache hands them over (strided, not copied), masked
+    and not: the library's floats are those of mlx-lm's quantized attention."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+    from mlx_nursery.actors.step.quantized import decode_attention
+
+    rows, heads, kv_heads, length, dim, nbits, group = case
+    rng = np.random.default_rng(length)
+    q = normal(rng, rows, heads, 1, dim)
+    k, v = (
+        tuple(a[..., :length, :] for a in mx.quantize(normal(rng, rows, kv_heads, length + 40, dim),
+                                                      group, nbits))
+        for _ in "kv"
+    )  # fmt: skip
+    assert cpu_softmax.quantized_agrees(cpu_softmax.library())  # its own check, made first
+    calls = []
+    library = cpu_softmax.quantized_attention
+    monkeypatch.setattr(cpu_softmax, "quantized_attention",
+                        lambda *a: calls.append(a[-1]) or library(*a))  # fmt: skip
+    pads = mx.array([(i * 7) % length for i in range(rows)])
+    for mask in (None, (mx.arange(length)[None] >= pads[:, None])[:, None, None, :]):
+        want = quantized_scaled_dot_product_attention(  # it scales its queries in place
+            mx.array(q), k, v, scale=dim**-0.5, mask=mask, group_size=group, bits=nbits
+        )
+        got = decode_attention(q, k, v, dim**-0.5, mask, group, nbits)
+        assert bits(got).tobytes() == bits(want).tobytes()
+    assert calls == [nbits, nbits]
+
+
+def test_quantized_attention_leaves_what_it_does_not_cover_to_mlx():
+    """Other bit widths, additive masks and other dtypes: None (mlx's path)."""
+    rng = np.random.default_rng(3)
+    q = normal(rng, 2, 2, 3, 64)
+    for nbits in (2, 8):
+        k = mx.quantize(normal(rng, 2, 2, 20, 64), 64, nbits)
+        v = mx.quantize(normal(rng, 2, 2, 20, 64), 64, nbits)
+        additive = mx.zeros((2, 1, 1, 20))
+        got = cpu_softmax.quantized_attention(q, k, v, additive if nbits == 8 else None, 64, nbits)
+        assert got is None
+    k16 = mx.quantize(normal(rng, 2, 2, 20, 64).astype(mx.float16), 64, 8)
+    assert cpu_softmax.quantized_attention(q.astype(mx.float16), k16, k16, None, 64, 8) is None

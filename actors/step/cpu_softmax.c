@@ -9,11 +9,15 @@
  * result is the float mlx computes; the compiler is free to run the
  * elementwise passes many lanes wide because they are exact either way. Built
  * with -ffp-contract=off so no multiply and add are fused that mlx keeps apart.
- * actors/cpu_softmax.py builds and loads it and checks it against mlx first.
+ * actors/step/cpu_softmax.py builds and loads it and checks it against mlx first.
+ *
+ * The end of the file: mlx-lm's quantized attention for decode steps, the
+ * same way (mlx's arithmetic, summed many outputs at a time).
  */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* mlx::core::simd::exp<float, 1> */
 static inline float exp_like_mlx(float x_init) {
@@ -134,4 +138,145 @@ void softmax_rows(const float *in, float *out, long rows, long m, int threads) {
 /* Logsumexp over the last axis, one float a row (mlx's logsumexp). */
 void logsumexp_rows(const float *in, float *out, long rows, long m, int threads) {
     run_rows(in, out, rows, m, threads, 1);
+}
+
+/* mlx-lm's quantized attention for one query a row (quantized_matmul of the
+ * scaled queries against the keys, the mask, the precise softmax, and
+ * quantized_matmul of the weights against the values), float32, bit for bit
+ * what mlx's CPU kernels compute (_qmm_t and _qmm: one lane, each output a
+ * left-to-right sum of x * (scale * w + bias)). mlx reads every key once per
+ * output; here a block of keys is dequantized once, transposed, and summed
+ * many outputs wide, each output still in its own order.
+ *
+ * q: (rows, heads, repeats, dim), contiguous, already scaled: `repeats` query
+ * heads share key head `h`. Keys and values: three planes each (the packed
+ * words, the scales, the biases), key j of (row b, head h) at
+ * base + b * stride[0] + h * stride[1] + j * per_key (elements), for the words
+ * (kst[0..1], per_key dim * bits / 32) and for scales and biases (kst[2..3],
+ * per_key dim / group). mask: rows x length bytes (0: masked), or NULL.
+ * out: (rows, heads, repeats, dim). */
+enum { KEYS_AT_ONCE = 16, MAX_DIM = 256 };
+
+/* One key's (or value's) dim floats, as mlx dequantizes them: scale * w + bias
+ * per group, the packed values low bits first. */
+static inline void dequantized(const uint8_t *restrict packed, const float *restrict scales,
+                               const float *restrict biases, long dim, int group, int bits,
+                               float *restrict out) {
+    for (long g0 = 0, g = 0; g0 < dim; g0 += group, g++) {
+        const float scale = scales[g], bias = biases[g];
+        if (bits == 8) {
+            for (long k = 0; k < group; k++) out[g0 + k] = scale * (float)packed[g0 + k] + bias;
+        } else {
+            const uint8_t *p = packed + (g0 >> 1);
+            for (long k = 0; k < group / 2; k++) {
+                out[g0 + 2 * k] = scale * (float)(p[k] & 0xf) + bias;
+                out[g0 + 2 * k + 1] = scale * (float)(p[k] >> 4) + bias;
+            }
+        }
+    }
+}
+
+struct attend {
+    const float *q;
+    const uint32_t *kw, *vw;
+    const float *ks, *kb, *vs, *vb;
+    const long *kst, *vst;
+    const unsigned char *mask;
+    float *out;
+    long rows, heads, repeats, length, dim;
+    int bits, group;
+    long first, last; /* (row, head) pairs [first, last) */
+};
+
+static void attend_one(const struct attend *a, long b, long h, float *scores) {
+    const long dim = a->dim, length = a->length, repeats = a->repeats;
+    const long bytes = dim * a->bits / 8, groups = dim / a->group;
+    const float *q = a->q + (b * a->heads + h) * repeats * dim;
+    const uint8_t *kw = (const uint8_t *)(a->kw + b * a->kst[0] + h * a->kst[1]);
+    const float *ks = a->ks + b * a->kst[2] + h * a->kst[3];
+    const float *kb = a->kb + b * a->kst[2] + h * a->kst[3];
+    const uint8_t *vw = (const uint8_t *)(a->vw + b * a->vst[0] + h * a->vst[1]);
+    const float *vs = a->vs + b * a->vst[2] + h * a->vst[3];
+    const float *vb = a->vb + b * a->vst[2] + h * a->vst[3];
+    const unsigned char *mask = a->mask ? a->mask + b * length : NULL;
+    float rows[KEYS_AT_ONCE][MAX_DIM], keys[MAX_DIM][KEYS_AT_ONCE];
+    /* scores = q @ dequantized(keys)^T (_qmm_t), KEYS_AT_ONCE outputs wide */
+    for (long j0 = 0; j0 < length; j0 += KEYS_AT_ONCE) {
+        long n = length - j0 < KEYS_AT_ONCE ? length - j0 : KEYS_AT_ONCE;
+        for (long i = 0; i < KEYS_AT_ONCE; i++) {
+            long j = j0 + (i < n ? i : 0);
+            dequantized(kw + j * bytes, ks + j * groups, kb + j * groups, dim, a->group, a->bits,
+                        rows[i]);
+        }
+        for (long k = 0; k < dim; k++)
+            for (long i = 0; i < KEYS_AT_ONCE; i++) keys[k][i] = rows[i][k];
+        for (long m = 0; m < repeats; m++) {
+            float acc[KEYS_AT_ONCE] = {0};
+            for (long k = 0; k < dim; k++) {
+                float x = q[m * dim + k];
+                for (long i = 0; i < KEYS_AT_ONCE; i++) acc[i] = acc[i] + x * keys[k][i];
+            }
+            for (long i = 0; i < n; i++) scores[m * length + j0 + i] = acc[i];
+        }
+    }
+    for (long m = 0; m < repeats; m++) {
+        float *row = scores + m * length;
+        if (mask)
+            for (long j = 0; j < length; j++) row[j] = mask[j] ? row[j] : -3.40282347e38f;
+        softmax_row(row, row, length);
+    }
+    /* out = weights @ dequantized(values) (_qmm), dim outputs wide */
+    float *out = a->out + (b * a->heads + h) * repeats * dim;
+    for (long i = 0; i < repeats * dim; i++) out[i] = 0.0f;
+    float *value = rows[0];
+    for (long j = 0; j < length; j++) {
+        dequantized(vw + j * bytes, vs + j * groups, vb + j * groups, dim, a->group, a->bits, value);
+        for (long m = 0; m < repeats; m++) {
+            float x = scores[m * length + j];
+            float *o = out + m * dim;
+            for (long k = 0; k < dim; k++) o[k] = o[k] + x * value[k];
+        }
+    }
+}
+
+static void *attend_span(void *arg) {
+    const struct attend *a = arg;
+    float *scores = malloc(sizeof(float) * a->repeats * a->length);
+    if (!scores) return (void *)1;
+    for (long p = a->first; p < a->last; p++) attend_one(a, p / a->heads, p % a->heads, scores);
+    free(scores);
+    return NULL;
+}
+
+/* Returns 0, or -1 where the shapes are not supported (the caller keeps mlx's
+ * path), or 1 where memory ran out. */
+int quantized_decode_attention(
+    const float *q, const uint32_t *kw, const float *ks, const float *kb, const long *kst,
+    const uint32_t *vw, const float *vs, const float *vb, const long *vst,
+    const unsigned char *mask, float *out, long rows, long heads, long repeats, long length,
+    long dim, int bits, int group, int threads) {
+    enum { MAX_THREADS = 16 };
+    if ((bits != 8 && bits != 4) || dim > MAX_DIM || dim % group || (dim * bits) % 32 || length < 1)
+        return -1;
+    long pairs = rows * heads;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > pairs) threads = (int)pairs;
+    if (threads < 1) threads = 1;
+    struct attend spans[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int running[MAX_THREADS] = {0};
+    void *failed = NULL;
+    for (int t = 0; t < threads; t++) {
+        spans[t] = (struct attend){q, kw, vw, ks, kb, vs, vb, kst, vst, mask, out, rows, heads,
+                                   repeats, length, dim, bits, group,
+                                   pairs * t / threads, pairs * (t + 1) / threads};
+        running[t] = t < threads - 1 && pthread_create(&ids[t], NULL, attend_span, &spans[t]) == 0;
+        if (!running[t]) failed = attend_span(&spans[t]) ? (void *)1 : failed;
+    }
+    for (int t = 0; t < threads; t++) {
+        void *r = NULL;
+        if (running[t]) pthread_join(ids[t], &r);
+        if (r) failed = r;
+    }
+    return failed ? 1 : 0;
 }

@@ -28,6 +28,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
+from . import cpu_softmax
+
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
 # mlx-lm's default is 5000. A batch holds one precision, so a row below the start
@@ -256,6 +258,9 @@ def decode_attention(
     if length != 1 or isinstance(mask, str) or heads % kv_heads:
         return None
     q = (queries * scale).reshape(b, kv_heads, heads // kv_heads, dim)
+    out = cpu_softmax.quantized_attention(q, keys, values, mask, group_size, bits)
+    if out is not None:
+        return out.reshape(b, heads, 1, dim)
     scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
     if mask is not None:
         if mask.dtype == mx.bool_:
