@@ -257,6 +257,8 @@ def test_quantized_decode_attention_is_mlx_lms_to_the_bit(case, monkeypatch):
         )
         got = decode_attention(q, k, v, dim**-0.5, mask, group, nbits)
         assert bits(got).tobytes() == bits(want).tobytes()
+        mlxs = decode_attention(q, k, v, dim**-0.5, mask, group, nbits, library=False)
+        assert bits(mlxs).tobytes() == bits(want).tobytes()  # --cpu-softmax off: mlx's
     assert calls == [nbits, nbits]
 
 

@@ -245,22 +245,25 @@ class QuantizedBatchKVCache(BatchKVCache):
 
 def decode_attention(
     queries: mx.array, keys: tuple, values: tuple, scale: float, mask: Any, group_size: int,
-    bits: int,
+    bits: int, library: bool = True,
 ) -> mx.array | None:  # fmt: skip
     """mlx-lm's ``quantized_scaled_dot_product_attention`` for one query a row,
     to the same bits, with the query heads that share a key head folded into
     one matmul's rows: mlx-lm broadcasts the keys across them, and the CPU
     kernel then reads each key head once per query head (8 rows of 1,000
     tokens, 9 query heads over 3: 7.1 ms a layer, 5.7 folded). None where it
-    does not apply (several queries, a mask given by name)."""
+    does not apply (several queries, a mask given by name). ``library``
+    (``--cpu-softmax``): on the CPU, the C library's quantized attention
+    (``cpu_softmax.quantized_attention``, the same bits) where it applies."""
     b, heads, length, dim = queries.shape
     kv_heads = keys[0].shape[-3]
     if length != 1 or isinstance(mask, str) or heads % kv_heads:
         return None
     q = (queries * scale).reshape(b, kv_heads, heads // kv_heads, dim)
-    out = cpu_softmax.quantized_attention(q, keys, values, mask, group_size, bits)
-    if out is not None:
-        return out.reshape(b, heads, 1, dim)
+    if library:
+        out = cpu_softmax.quantized_attention(q, keys, values, mask, group_size, bits)
+        if out is not None:
+            return out.reshape(b, heads, 1, dim)
     scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
     if mask is not None:
         if mask.dtype == mx.bool_:

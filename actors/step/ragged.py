@@ -109,8 +109,9 @@ def ragged(original: Any, rows: bool = True, exact_softmax: bool = True) -> Any:
     def attention(queries, keys, values, cache, scale, mask, sinks=None, **extra):
         if sinks is None and not extra and hasattr(cache, "bits"):  # quantized KV
             out = quantized.decode_attention(
-                queries, keys, values, scale, mask, cache.group_size, cache.bits
-            )
+                queries, keys, values, scale, mask, cache.group_size, cache.bits,
+                library=exact_softmax,
+            )  # fmt: skip
             if out is not None:
                 return out
         if sinks is not None or extra or hasattr(cache, "bits"):  # mlx-lm's path
