@@ -312,7 +312,6 @@ def quantized_attention(
         or q.dtype != mx.float32
         or any(a.dtype != mx.float32 for a in (*keys[1:], *values[1:]))
         or (mask is not None and (mask.dtype != mx.bool_ or mask.ndim != 4))
-        or not quantized_agrees(lib)
     ):
         return None
     rows, heads, repeats, dim = q.shape
@@ -351,40 +350,6 @@ def quantized_attention(
     if status > 0:
         raise MemoryError("quantized attention: no memory for a row's scores")
     return mx.array(out)
-
-
-_quantized_checked: bool | None = None
-
-
-def quantized_agrees(lib: ctypes.CDLL) -> bool:
-    """Whether the library's quantized attention gives mlx's bits here (checked
-    once a process, on a small sample at 4 and 8 bits, masked and not)."""
-    global _quantized_checked
-    if _quantized_checked is None:
-        import mlx.core as mx
-
-        from .quantized import decode_attention  # mlx-lm's composition, folded
-
-        _quantized_checked = True  # the check below calls quantized_attention itself
-        rng = mx.random.key(45)
-        ok = True
-        for bits, group, length in ((8, 64, 37), (4, 32, 70)):
-            k1, k2, k3, rng = mx.random.split(rng, 4)
-            queries = mx.random.normal((3, 6, 1, 64), key=k1)
-            keys = mx.quantize(mx.random.normal((3, 2, length + 5, 64), key=k2), group, bits)
-            values = mx.quantize(mx.random.normal((3, 2, length + 5, 64), key=k3), group, bits)
-            keys = tuple(a[..., :length, :] for a in keys)
-            values = tuple(a[..., :length, :] for a in values)
-            for mask in (None, (mx.arange(length) >= mx.array([0, 5, 30])[:, None])[:, None, None]):
-                want = decode_attention(queries, keys, values, 0.125, mask, group, bits, False)
-                q = (queries * 0.125).reshape(3, 2, 3, 64)
-                got = quantized_attention(q, keys, values, mask, group, bits)
-                same = got is not None and mx.array_equal(want, got.reshape(want.shape)).item()
-                ok = ok and bool(same)
-        _quantized_checked = ok
-        if not ok:
-            log.warning("the library's quantized attention disagrees with mlx's: not used")
-    return _quantized_checked
 
 
 def usable(queries: Any, keys: Any, values: Any) -> bool:

@@ -20,6 +20,7 @@ cache's ``bits``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 from . import cpu_softmax
+
+log = logging.getLogger(__name__)
 
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
@@ -243,6 +246,39 @@ class QuantizedBatchKVCache(BatchKVCache):
         return 0 if self.keys is None else sum(a.nbytes for a in planes(self))
 
 
+_library_checked: bool | None = None
+
+
+def library_agrees() -> bool:
+    """Whether the C library's quantized attention gives mlx-lm's bits here:
+    checked once a process against ``decode_attention`` with the library off,
+    on a small sample at 4 and 8 bits, masked and not."""
+    global _library_checked
+    if _library_checked is None:
+        _library_checked = cpu_softmax.library() is not None and _library_matches()
+        if cpu_softmax.library() is not None and not _library_checked:
+            log.warning("the library's quantized attention disagrees with mlx's: not used")
+    return _library_checked
+
+
+def _library_matches() -> bool:
+    rng = mx.random.key(45)
+    for bits, group, length in ((8, 64, 37), (4, 32, 70)):
+        k1, k2, k3, rng = mx.random.split(rng, 4)
+        queries = mx.random.normal((3, 6, 1, 64), key=k1)
+        keys = mx.quantize(mx.random.normal((3, 2, length + 5, 64), key=k2), group, bits)
+        values = mx.quantize(mx.random.normal((3, 2, length + 5, 64), key=k3), group, bits)
+        keys = tuple(a[..., :length, :] for a in keys)
+        values = tuple(a[..., :length, :] for a in values)
+        for mask in (None, (mx.arange(length) >= mx.array([0, 5, 30])[:, None])[:, None, None]):
+            want = decode_attention(queries, keys, values, 0.125, mask, group, bits, False)
+            q = (queries * 0.125).reshape(3, 2, 3, 64)
+            got = cpu_softmax.quantized_attention(q, keys, values, mask, group, bits)
+            if got is None or not mx.array_equal(want, got.reshape(want.shape)).item():
+                return False
+    return True
+
+
 def decode_attention(
     queries: mx.array, keys: tuple, values: tuple, scale: float, mask: Any, group_size: int,
     bits: int, library: bool = True,
@@ -260,7 +296,7 @@ def decode_attention(
     if length != 1 or isinstance(mask, str) or heads % kv_heads:
         return None
     q = (queries * scale).reshape(b, kv_heads, heads // kv_heads, dim)
-    if library:
+    if library and mx.default_device() == mx.cpu and library_agrees():
         out = cpu_softmax.quantized_attention(q, keys, values, mask, group_size, bits)
         if out is not None:
             return out.reshape(b, heads, 1, dim)
