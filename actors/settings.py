@@ -244,8 +244,9 @@ class EngineSettings:
         help="float32 attention over prefill chunks on a Linux x86-64 CPU computes mlx's "
         "softmax in a small C library built on first use, many lanes wide and to the same "
         "bits (actors/step/cpu_softmax.py); verify steps take it too, their query heads folded "
-        "into one matmul per key head, and decode steps over --kv-bits caches its quantized "
-        "attention; off, or without a C compiler: mlx's own. A choice for the process",
+        "into one matmul per key head, and attention over --kv-bits caches (decode, verify, "
+        "prefill) its quantized attention; off, or without a C compiler: mlx's own. A "
+        "choice for the process",
     )  # fmt: skip
     compile: str = setting(
         "auto", validator=_one_of(("auto", "on", "off")), parse=str.lower,

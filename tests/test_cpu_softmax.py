@@ -220,26 +220,30 @@ def test_a_model_generates_the_same_bits_through_the_library(family, every_call)
         ragged.install(model)
 
 
-QUANTIZED = [  # rows, query heads, key heads, keys, dim, bits, group
-    (8, 9, 3, 453, 64, 8, 64),
-    (8, 9, 3, 1100, 64, 4, 64),
-    (2, 4, 4, 37, 64, 8, 32),
-    (1, 8, 2, 300, 128, 4, 128),
-    (3, 6, 2, 17, 64, 4, 32),
+QUANTIZED = [  # rows, query heads, key heads, keys, dim, bits, group, queries a row
+    (8, 9, 3, 453, 64, 8, 64, 1),
+    (8, 9, 3, 1100, 64, 4, 64, 1),
+    (2, 4, 4, 37, 64, 8, 32, 1),
+    (1, 8, 2, 300, 128, 4, 128, 1),
+    (3, 6, 2, 17, 64, 4, 32, 1),
+    (4, 9, 3, 200, 64, 8, 64, 5),  # a verify step's few queries
+    (1, 9, 3, 300, 64, 4, 32, 64),  # a prefill chunk
+    (2, 4, 2, 50, 64, 8, 64, 50),  # a whole prompt at once
 ]
 
 
 @pytest.mark.parametrize("case", QUANTIZED, ids=[str(c) for c in QUANTIZED])
-def test_quantized_decode_attention_is_mlx_lms_to_the_bit(case, monkeypatch):
-    """One query a row against a quantized cache's planes, sliced out of a
-    larger buffer as the cache hands them over (strided, not copied), masked
-    and not: the library's floats are those of mlx-lm's quantized attention."""
+def test_quantized_attention_is_mlx_lms_to_the_bit(case, monkeypatch):
+    """Queries against a quantized cache's planes, sliced out of a larger buffer
+    as the cache hands them over (strided, not copied), masked (the rows'
+    padding, causal over several queries, and the causal mask by name) and not:
+    the library's floats are those of mlx-lm's quantized attention."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
-    from mlx_nursery.actors.step.quantized import decode_attention, library_agrees
+    from mlx_nursery.actors.step.quantized import attention, library_agrees
 
-    rows, heads, kv_heads, length, dim, nbits, group = case
+    rows, heads, kv_heads, length, dim, nbits, group, n = case
     rng = np.random.default_rng(length)
-    q = normal(rng, rows, heads, 1, dim)
+    q = normal(rng, rows, heads, n, dim)
     k, v = (
         tuple(a[..., :length, :] for a in mx.quantize(normal(rng, rows, kv_heads, length + 40, dim),
                                                       group, nbits))
@@ -249,17 +253,22 @@ def test_quantized_decode_attention_is_mlx_lms_to_the_bit(case, monkeypatch):
     calls = []
     library = cpu_softmax.quantized_attention
     monkeypatch.setattr(cpu_softmax, "quantized_attention",
-                        lambda *a: calls.append(a[-1]) or library(*a))  # fmt: skip
-    pads = mx.array([(i * 7) % length for i in range(rows)])
-    for mask in (None, (mx.arange(length)[None] >= pads[:, None])[:, None, None, :]):
+                        lambda *a: calls.append(a[-2:]) or library(*a))  # fmt: skip
+    pads = mx.array([(i * 7) % (length - n + 1) for i in range(rows)])
+    causal = mx.arange(length - n, length)[:, None] >= mx.arange(length)[None]
+    masks = [None, (mx.arange(length)[None] >= pads[:, None])[:, None, None, :] & causal, "causal"]
+    for mask in masks:
         want = quantized_scaled_dot_product_attention(  # it scales its queries in place
             mx.array(q), k, v, scale=dim**-0.5, mask=mask, group_size=group, bits=nbits
         )
-        got = decode_attention(q, k, v, dim**-0.5, mask, group, nbits)
+        got = attention(q, k, v, dim**-0.5, mask, group, nbits)
         assert bits(got).tobytes() == bits(want).tobytes()
-        mlxs = decode_attention(q, k, v, dim**-0.5, mask, group, nbits, library=False)
-        assert bits(mlxs).tobytes() == bits(want).tobytes()  # --cpu-softmax off: mlx's
-    assert calls == [nbits, nbits]
+        mlxs = attention(q, k, v, dim**-0.5, mask, group, nbits, library=False)
+        if n == 1:
+            assert bits(mlxs).tobytes() == bits(want).tobytes()  # --cpu-softmax off: mlx's
+        else:
+            assert mlxs is None  # mlx-lm's own path
+    assert calls == [(nbits, n)] * 3
 
 
 def test_quantized_attention_leaves_what_it_does_not_cover_to_mlx():

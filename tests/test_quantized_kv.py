@@ -260,7 +260,7 @@ def test_a_prefill_in_uneven_chunks_quantizes_where_generate_does():
                                                                    (8, 6, 6, 129)])  # fmt: skip
 def test_folded_decode_attention_is_mlx_lms_to_the_bit(bits, rows, heads, kv_heads, length):
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
-    from mlx_nursery.actors.step.quantized import decode_attention
+    from mlx_nursery.actors.step.quantized import attention
 
     mx.random.seed(rows * 31 + length)
     q = mx.random.normal((rows, heads, 1, 64))
@@ -270,7 +270,7 @@ def test_folded_decode_attention_is_mlx_lms_to_the_bit(bits, rows, heads, kv_hea
         want = quantized_scaled_dot_product_attention(
             mx.array(q), k, v, scale=0.125, mask=mask, group_size=64, bits=bits
         )
-        got = decode_attention(q, k, v, 0.125, mask, 64, bits)
+        got = attention(q, k, v, 0.125, mask, 64, bits, library=False)
         assert mx.array_equal(got, want).item()
 
 
@@ -278,8 +278,12 @@ async def test_a_device_without_quantized_attention_refuses_kv_bits_at_load(monk
     """mlx's CUDA build has no ``quantized_matmul`` for a prefill's shapes (seen on
     an H200, mlx 0.32.4: every prompt's prefill failed). ``--kv-bits`` is then
     refused at load, naming the flag, rather than failing each request. The CPU's
-    ``quantized_matmul`` is made to refuse more than one query as CUDA's does."""
+    ``quantized_matmul`` is made to refuse more than one query as CUDA's does (and
+    the C library, which covers such chunks on a CPU only, is kept out)."""
+    from mlx_nursery.actors.step import quantized
+
     real = mx.quantized_matmul
+    monkeypatch.setattr(quantized, "library_agrees", lambda: False)
 
     def cuda_like(x, *args, **kwargs):
         if x.shape[-2] > 1:

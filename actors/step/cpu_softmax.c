@@ -11,7 +11,7 @@
  * with -ffp-contract=off so no multiply and add are fused that mlx keeps apart.
  * actors/step/cpu_softmax.py builds and loads it and checks it against mlx first.
  *
- * The end of the file: mlx-lm's quantized attention for decode steps, the
+ * The end of the file: mlx-lm's quantized attention (decode, verify and prefill
  * same way (mlx's arithmetic, summed many outputs at a time).
  */
 #include <math.h>
@@ -140,21 +140,22 @@ void logsumexp_rows(const float *in, float *out, long rows, long m, int threads)
     run_rows(in, out, rows, m, threads, 1);
 }
 
-/* mlx-lm's quantized attention for one query a row (quantized_matmul of the
- * scaled queries against the keys, the mask, the precise softmax, and
- * quantized_matmul of the weights against the values), float32, bit for bit
- * what mlx's CPU kernels compute (_qmm_t and _qmm: one lane, each output a
- * left-to-right sum of x * (scale * w + bias)). mlx reads every key once per
- * output; here a block of keys is dequantized once, transposed, and summed
- * many outputs wide, each output still in its own order.
+/* mlx-lm's quantized attention (quantized_matmul of the scaled queries
+ * against the keys, the mask, the precise softmax, and quantized_matmul of the
+ * weights against the values), float32, bit for bit what mlx's CPU kernels
+ * compute (_qmm_t and _qmm: one lane, each output a left-to-right sum of
+ * x * (scale * w + bias)). mlx reads every key once per output; here a block
+ * of keys is dequantized once, transposed, and summed many outputs wide, each
+ * output still in its own order.
  *
- * q: (rows, heads, repeats, dim), contiguous, already scaled: `repeats` query
- * heads share key head `h`. Keys and values: three planes each (the packed
- * words, the scales, the biases), key j of (row b, head h) at
- * base + b * stride[0] + h * stride[1] + j * per_key (elements), for the words
- * (kst[0..1], per_key dim * bits / 32) and for scales and biases (kst[2..3],
- * per_key dim / group). mask: rows x length bytes (0: masked), or NULL.
- * out: (rows, heads, repeats, dim). */
+ * q: (rows, heads, repeats * queries, dim), contiguous, already scaled: the
+ * `repeats` query heads that share key head `h`, each with `queries` queries
+ * a row (1 in a decode step; a verify step's or a prefill chunk's several).
+ * Keys and values: three planes each (the packed words, the scales, the
+ * biases), key j of (row b, head h) at base + b * stride[0] + h * stride[1] +
+ * j * per_key (elements), for the words (kst[0..1], per_key dim * bits / 32)
+ * and for scales and biases (kst[2..3], per_key dim / group). mask: rows x
+ * queries x length bytes (0: masked), or NULL. out: like q. */
 enum { KEYS_AT_ONCE = 16, MAX_DIM = 256 };
 
 /* One key's (or value's) dim floats, as mlx dequantizes them: scale * w + bias
@@ -183,7 +184,7 @@ struct attend {
     const long *kst, *vst;
     const unsigned char *mask;
     float *out;
-    long rows, heads, repeats, length, dim;
+    long rows, heads, repeats, queries, length, dim; /* repeats: query heads x queries */
     int bits, group;
     long first, last; /* (row, head) pairs [first, last) */
 };
@@ -198,7 +199,7 @@ static void attend_one(const struct attend *a, long b, long h, float *scores) {
     const uint8_t *vw = (const uint8_t *)(a->vw + b * a->vst[0] + h * a->vst[1]);
     const float *vs = a->vs + b * a->vst[2] + h * a->vst[3];
     const float *vb = a->vb + b * a->vst[2] + h * a->vst[3];
-    const unsigned char *mask = a->mask ? a->mask + b * length : NULL;
+    const unsigned char *mask = a->mask ? a->mask + b * a->queries * length : NULL;
     float rows[KEYS_AT_ONCE][MAX_DIM], keys[MAX_DIM][KEYS_AT_ONCE];
     /* scores = q @ dequantized(keys)^T (_qmm_t), KEYS_AT_ONCE outputs wide */
     for (long j0 = 0; j0 < length; j0 += KEYS_AT_ONCE) {
@@ -221,8 +222,10 @@ static void attend_one(const struct attend *a, long b, long h, float *scores) {
     }
     for (long m = 0; m < repeats; m++) {
         float *row = scores + m * length;
-        if (mask)
-            for (long j = 0; j < length; j++) row[j] = mask[j] ? row[j] : -3.40282347e38f;
+        if (mask) {
+            const unsigned char *allowed = mask + (m % a->queries) * length;
+            for (long j = 0; j < length; j++) row[j] = allowed[j] ? row[j] : -3.40282347e38f;
+        }
         softmax_row(row, row, length);
     }
     /* out = weights @ dequantized(values) (_qmm), dim outputs wide */
@@ -250,13 +253,14 @@ static void *attend_span(void *arg) {
 
 /* Returns 0, or -1 where the shapes are not supported (the caller keeps mlx's
  * path), or 1 where memory ran out. */
-int quantized_decode_attention(
+int quantized_attention(
     const float *q, const uint32_t *kw, const float *ks, const float *kb, const long *kst,
     const uint32_t *vw, const float *vs, const float *vb, const long *vst,
-    const unsigned char *mask, float *out, long rows, long heads, long repeats, long length,
-    long dim, int bits, int group, int threads) {
+    const unsigned char *mask, float *out, long rows, long heads, long repeats, long queries,
+    long length, long dim, int bits, int group, int threads) {
     enum { MAX_THREADS = 16 };
-    if ((bits != 8 && bits != 4) || dim > MAX_DIM || dim % group || (dim * bits) % 32 || length < 1)
+    if ((bits != 8 && bits != 4) || dim > MAX_DIM || dim % group || (dim * bits) % 32 || length < 1 ||
+        queries < 1)
         return -1;
     long pairs = rows * heads;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -268,7 +272,7 @@ int quantized_decode_attention(
     void *failed = NULL;
     for (int t = 0; t < threads; t++) {
         spans[t] = (struct attend){q, kw, vw, ks, kb, vs, vb, kst, vst, mask, out, rows, heads,
-                                   repeats, length, dim, bits, group,
+                                   repeats * queries, queries, length, dim, bits, group,
                                    pairs * t / threads, pairs * (t + 1) / threads};
         running[t] = t < threads - 1 && pthread_create(&ids[t], NULL, attend_span, &spans[t]) == 0;
         if (!running[t]) failed = attend_span(&spans[t]) ? (void *)1 : failed;

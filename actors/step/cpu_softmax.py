@@ -1,5 +1,5 @@
 """mlx's CPU attention with its softmax computed many lanes wide, to the same bits
-(and its quantized attention for decode steps).
+(and its quantized attention over ``--kv-bits`` caches).
 
 On Linux x86-64, mlx's CPU kernels run one lane at a time, and its ``exp`` is a
 polynomial whose fused multiply-adds are libm calls: about 20 ns an element.
@@ -25,7 +25,7 @@ steps, which wait for their samples anyway (:func:`attention`'s ``verify``).
 Verify steps also take its :func:`logsumexp` of their logits (mlx's bits; mlx's
 own is a tenth of a width-9 step at batch 8 on SmolLM2's vocabulary).
 
-The same library holds mlx-lm's quantized attention for decode steps
+The same library holds mlx-lm's quantized attention (decode, verify, prefill)
 (:func:`quantized_attention`, over ``--kv-bits`` caches): mlx's CPU
 ``quantized_matmul`` also runs one lane at a time, and reads each key once per
 query head; the library's sums keep mlx's order, many outputs at a time.
@@ -170,10 +170,10 @@ def library() -> ctypes.CDLL | None:
             lib.logsumexp_rows.argtypes = [p, p, n, n, ctypes.c_int]
             lib.logsumexp_rows.restype = None
             longs = ctypes.POINTER(ctypes.c_long)  # a plane's strides
-            lib.quantized_decode_attention.argtypes = [
-                p, p, p, p, longs, p, p, p, longs, p, p, n, n, n, n, n, *[ctypes.c_int] * 3,
+            lib.quantized_attention.argtypes = [
+                p, p, p, p, longs, p, p, p, longs, p, p, n, n, n, n, n, n, *[ctypes.c_int] * 3,
             ]  # fmt: skip
-            lib.quantized_decode_attention.restype = ctypes.c_int
+            lib.quantized_attention.restype = ctypes.c_int
             if not _agrees(lib):
                 log.warning("%s disagrees with mlx's softmax: not used", path.name)
                 return None
@@ -287,19 +287,20 @@ def attention(
 
 
 def quantized_attention(
-    q: Any, keys: tuple, values: tuple, mask: Any, group_size: int, bits: int
+    q: Any, keys: tuple, values: tuple, mask: Any, group_size: int, bits: int, queries: int = 1
 ) -> Any | None:
-    """mlx-lm's quantized attention for one query a row, the same bits, in one
-    call of the library (one synchronisation): ``q`` (rows, key heads, query
-    heads a key head, dim), scaled; ``keys`` and ``values`` a quantized cache's
-    planes (packed words, scales, biases), ``mask`` None or boolean over the
-    keys. mlx's CPU kernel for ``quantized_matmul`` sums each output one lane
-    at a time and reads every key once per query head: at 8 rows of 1,100
-    tokens of SmolLM2's 4-bit KV, 6.7 ms a layer against 2.6 ms here, which
-    dequantizes a block of keys once and sums 16 outputs at a time, each
-    still left to right (``quantized_decode_attention`` in the C file). The
-    result is (rows, key heads, query heads a key head, dim); None where this
-    path does not apply (mlx's then)."""
+    """mlx-lm's quantized attention, the same bits, in one call of the library
+    (one synchronisation): ``q`` (rows, key heads, query heads a key head x
+    ``queries``, dim), scaled, each query head's ``queries`` queries a row
+    together (one in a decode step); ``keys`` and ``values`` a quantized
+    cache's planes (packed words, scales, biases); ``mask`` None or boolean,
+    (rows or 1, 1, ``queries`` or 1, keys). mlx's CPU kernel for
+    ``quantized_matmul`` sums each output one lane at a time and reads every
+    key once per query: at 8 rows of 1,100 tokens of SmolLM2's 4-bit KV, one
+    query a row, 6.7 ms a layer against 2.6 ms here, which dequantizes a block
+    of keys once and sums 16 outputs at a time, each still left to right
+    (``quantized_attention`` in the C file). The result has ``q``'s shape;
+    None where this path does not apply (mlx's then)."""
     import mlx.core as mx
     import numpy as np
 
@@ -316,7 +317,11 @@ def quantized_attention(
         return None
     rows, heads, repeats, dim = q.shape
     length = keys[0].shape[-2]
-    if mask is not None and (mask.shape[1:3] != (1, 1) or mask.shape[-1] != length):
+    if repeats % queries or (
+        mask is not None
+        and (mask.shape[0] not in (1, rows) or mask.shape[1] != 1
+             or mask.shape[2] not in (1, queries) or mask.shape[-1] != length)
+    ):  # fmt: skip
         return None
     mx.eval(q, *planes, *(() if mask is None else (mask,)))
     views = [np.asarray(a) for a in planes]
@@ -331,19 +336,18 @@ def quantized_attention(
         ):
             return None  # not the layout the kernel walks
         strides.append((ctypes.c_long * 4)(w[0], w[1], g[0], g[1]))
-    queries = np.ascontiguousarray(np.asarray(q))
+    scaled = np.ascontiguousarray(np.asarray(q))
     allowed = None
     if mask is not None:
         allowed = np.ascontiguousarray(
-            np.broadcast_to(np.asarray(mask).reshape(mask.shape[0], length), (rows, length)),
-            dtype=np.uint8,
+            np.broadcast_to(np.asarray(mask)[:, 0], (rows, queries, length)), dtype=np.uint8
         )
     out = np.empty(q.shape, np.float32)
-    status = lib.quantized_decode_attention(
-        queries.ctypes.data, *(v.ctypes.data for v in views[:3]), strides[0],
+    status = lib.quantized_attention(
+        scaled.ctypes.data, *(v.ctypes.data for v in views[:3]), strides[0],
         *(v.ctypes.data for v in views[3:]), strides[1],
         None if allowed is None else allowed.ctypes.data, out.ctypes.data,
-        rows, heads, repeats, length, dim, bits, group_size, THREADS,
+        rows, heads, repeats // queries, queries, length, dim, bits, group_size, THREADS,
     )  # fmt: skip
     if status < 0:
         return None

@@ -14,8 +14,8 @@ row's attention runs on its own keys (from its left padding on), without a
 mask. That is the computation a lone row does, so the result is a lone row's
 (to float rounding; the masked padded form differs from it alike). Prefill
 chunks, rotating caches, and batches with little padding take the original
-path; quantized caches mlx-lm's quantized attention, its decode steps with the
-query heads folded (``quantized.decode_attention``, to the same bits).
+path; quantized caches mlx-lm's quantized attention (``quantized.attention``: the
+C library's on the CPU, else its decode steps with the query heads folded).
 
 The same wrapper swaps in :func:`cpu_softmax.attention` (mlx's own CPU attention,
 its softmax vectorized to the same bits) for float32 attention on the CPU, in
@@ -108,7 +108,7 @@ def ragged(original: Any, rows: bool = True, exact_softmax: bool = True) -> Any:
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None, **extra):
         if sinks is None and not extra and hasattr(cache, "bits"):  # quantized KV
-            out = quantized.decode_attention(
+            out = quantized.attention(
                 queries, keys, values, scale, mask, cache.group_size, cache.bits,
                 library=exact_softmax,
             )  # fmt: skip
