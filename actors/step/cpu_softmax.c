@@ -18,6 +18,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* mlx::core::simd::exp<float, 1> */
 static inline float exp_like_mlx(float x_init) {
@@ -156,7 +157,11 @@ void logsumexp_rows(const float *in, float *out, long rows, long m, int threads)
  * j * per_key (elements), for the words (kst[0..1], per_key dim * bits / 32)
  * and for scales and biases (kst[2..3], per_key dim / group). mask: rows x
  * queries x length bytes (0: masked), or NULL. out: like q. */
-enum { KEYS_AT_ONCE = 16, MAX_DIM = 256 };
+enum { KEYS_AT_ONCE = 16, MAX_DIM = 256, QUERIES_AT_ONCE = 64 };
+
+/* 16 floats, one output each: each lane's multiply and add round on their own
+ * (no fused multiply-add: -ffp-contract=off), so a lane is mlx's scalar sum. */
+typedef float lanes __attribute__((vector_size(64)));
 
 /* One key's (or value's) dim floats, as mlx dequantizes them: scale * w + bias
  * per group, the packed values low bits first. */
@@ -186,10 +191,61 @@ struct attend {
     float *out;
     long rows, heads, repeats, queries, length, dim; /* repeats: query heads x queries */
     int bits, group;
-    long first, last; /* (row, head) pairs [first, last) */
+    long first, last; /* work units [first, last): (row, head, QUERIES_AT_ONCE queries) */
 };
 
-static void attend_one(const struct attend *a, long b, long h, float *scores) {
+/* scores[m - first] = q[m] . keys[j0 .. j0 + n), for queries [first, last), one
+ * output a lane, each summed over the dim in order (_qmm_t). */
+static void scores_block(const float *q, const lanes *keys, long dim, long first, long last,
+                         long n, float *scores, long stride) {
+    long m = first;
+    for (; m + 4 <= last; m += 4) {
+        const float *q0 = q + m * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
+        lanes a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (long k = 0; k < dim; k++) {
+            const lanes key = keys[k];
+            a0 = a0 + q0[k] * key;
+            a1 = a1 + q1[k] * key;
+            a2 = a2 + q2[k] * key;
+            a3 = a3 + q3[k] * key;
+        }
+        float *row = scores + (m - first) * stride;
+        for (long i = 0; i < n; i++) {
+            row[i] = a0[i];
+            row[stride + i] = a1[i];
+            row[2 * stride + i] = a2[i];
+            row[3 * stride + i] = a3[i];
+        }
+    }
+    for (; m < last; m++) {
+        const float *q0 = q + m * dim;
+        lanes a0 = {0};
+        for (long k = 0; k < dim; k++) a0 = a0 + q0[k] * keys[k];
+        for (long i = 0; i < n; i++) scores[(m - first) * stride + i] = a0[i];
+    }
+}
+
+/* out[m] += weights[m][i] * values[i] for i in order (_qmm's sum over keys);
+ * dim a multiple of 16. */
+static void values_block(const float (*values)[MAX_DIM], long n, long dim, const float *weights,
+                         long stride, long count, float *out) {
+    const long width = dim / 16;
+    for (long m = 0; m < count; m++) {
+        lanes acc[MAX_DIM / 16];
+        memcpy(acc, out + m * dim, sizeof(float) * dim);
+        for (long i = 0; i < n; i++) {
+            const float x = weights[m * stride + i];
+            const lanes *v = (const lanes *)values[i];
+            for (long c = 0; c < width; c++) acc[c] = acc[c] + x * v[c];
+        }
+        memcpy(out + m * dim, acc, sizeof(float) * dim);
+    }
+}
+
+/* Queries [first, last) of (row b, head h): their scores, the mask, the
+ * softmax, then their outputs. scores: (last - first) x length floats. */
+static void attend_one(const struct attend *a, long b, long h, long first, long last,
+                       float *scores) {
     const long dim = a->dim, length = a->length, repeats = a->repeats;
     const long bytes = dim * a->bits / 8, groups = dim / a->group;
     const float *q = a->q + (b * a->heads + h) * repeats * dim;
@@ -200,8 +256,9 @@ static void attend_one(const struct attend *a, long b, long h, float *scores) {
     const float *vs = a->vs + b * a->vst[2] + h * a->vst[3];
     const float *vb = a->vb + b * a->vst[2] + h * a->vst[3];
     const unsigned char *mask = a->mask ? a->mask + b * a->queries * length : NULL;
-    float rows[KEYS_AT_ONCE][MAX_DIM], keys[MAX_DIM][KEYS_AT_ONCE];
-    /* scores = q @ dequantized(keys)^T (_qmm_t), KEYS_AT_ONCE outputs wide */
+    float rows[KEYS_AT_ONCE][MAX_DIM] __attribute__((aligned(64)));
+    lanes keys[MAX_DIM];
+    /* scores = q @ dequantized(keys)^T, KEYS_AT_ONCE outputs wide */
     for (long j0 = 0; j0 < length; j0 += KEYS_AT_ONCE) {
         long n = length - j0 < KEYS_AT_ONCE ? length - j0 : KEYS_AT_ONCE;
         for (long i = 0; i < KEYS_AT_ONCE; i++) {
@@ -211,42 +268,41 @@ static void attend_one(const struct attend *a, long b, long h, float *scores) {
         }
         for (long k = 0; k < dim; k++)
             for (long i = 0; i < KEYS_AT_ONCE; i++) keys[k][i] = rows[i][k];
-        for (long m = 0; m < repeats; m++) {
-            float acc[KEYS_AT_ONCE] = {0};
-            for (long k = 0; k < dim; k++) {
-                float x = q[m * dim + k];
-                for (long i = 0; i < KEYS_AT_ONCE; i++) acc[i] = acc[i] + x * keys[k][i];
-            }
-            for (long i = 0; i < n; i++) scores[m * length + j0 + i] = acc[i];
-        }
+        scores_block(q, keys, dim, first, last, n, scores + j0, length);
     }
-    for (long m = 0; m < repeats; m++) {
-        float *row = scores + m * length;
+    for (long m = first; m < last; m++) {
+        float *row = scores + (m - first) * length;
         if (mask) {
             const unsigned char *allowed = mask + (m % a->queries) * length;
             for (long j = 0; j < length; j++) row[j] = allowed[j] ? row[j] : -3.40282347e38f;
         }
         softmax_row(row, row, length);
     }
-    /* out = weights @ dequantized(values) (_qmm), dim outputs wide */
-    float *out = a->out + (b * a->heads + h) * repeats * dim;
-    for (long i = 0; i < repeats * dim; i++) out[i] = 0.0f;
-    float *value = rows[0];
-    for (long j = 0; j < length; j++) {
-        dequantized(vw + j * bytes, vs + j * groups, vb + j * groups, dim, a->group, a->bits, value);
-        for (long m = 0; m < repeats; m++) {
-            float x = scores[m * length + j];
-            float *o = out + m * dim;
-            for (long k = 0; k < dim; k++) o[k] = o[k] + x * value[k];
-        }
+    /* out = weights @ dequantized(values), dim outputs wide, each a sum over
+     * the keys in order: a block of values dequantized at once */
+    float *out = a->out + ((b * a->heads + h) * repeats + first) * dim;
+    for (long i = 0; i < (last - first) * dim; i++) out[i] = 0.0f;
+    for (long j0 = 0; j0 < length; j0 += KEYS_AT_ONCE) {
+        long n = length - j0 < KEYS_AT_ONCE ? length - j0 : KEYS_AT_ONCE;
+        for (long i = 0; i < n; i++)
+            dequantized(vw + (j0 + i) * bytes, vs + (j0 + i) * groups, vb + (j0 + i) * groups,
+                        dim, a->group, a->bits, rows[i]);
+        values_block((const float (*)[MAX_DIM])rows, n, dim, scores + j0, length, last - first,
+                     out);
     }
 }
 
 static void *attend_span(void *arg) {
     const struct attend *a = arg;
-    float *scores = malloc(sizeof(float) * a->repeats * a->length);
+    const long chunks = (a->repeats + QUERIES_AT_ONCE - 1) / QUERIES_AT_ONCE;
+    const long most = a->repeats < QUERIES_AT_ONCE ? a->repeats : QUERIES_AT_ONCE;
+    float *scores = malloc(sizeof(float) * most * a->length);
     if (!scores) return (void *)1;
-    for (long p = a->first; p < a->last; p++) attend_one(a, p / a->heads, p % a->heads, scores);
+    for (long u = a->first; u < a->last; u++) {
+        long pair = u / chunks, first = (u % chunks) * QUERIES_AT_ONCE;
+        long last = first + QUERIES_AT_ONCE < a->repeats ? first + QUERIES_AT_ONCE : a->repeats;
+        attend_one(a, pair / a->heads, pair % a->heads, first, last, scores);
+    }
     free(scores);
     return NULL;
 }
@@ -259,12 +315,12 @@ int quantized_attention(
     const unsigned char *mask, float *out, long rows, long heads, long repeats, long queries,
     long length, long dim, int bits, int group, int threads) {
     enum { MAX_THREADS = 16 };
-    if ((bits != 8 && bits != 4) || dim > MAX_DIM || dim % group || (dim * bits) % 32 || length < 1 ||
+    if ((bits != 8 && bits != 4) || dim > MAX_DIM || dim % group || dim % 16 || length < 1 ||
         queries < 1)
         return -1;
-    long pairs = rows * heads;
+    long units = rows * heads * ((repeats * queries + QUERIES_AT_ONCE - 1) / QUERIES_AT_ONCE);
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > pairs) threads = (int)pairs;
+    if (threads > units) threads = (int)units;
     if (threads < 1) threads = 1;
     struct attend spans[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
@@ -273,7 +329,7 @@ int quantized_attention(
     for (int t = 0; t < threads; t++) {
         spans[t] = (struct attend){q, kw, vw, ks, kb, vs, vb, kst, vst, mask, out, rows, heads,
                                    repeats * queries, queries, length, dim, bits, group,
-                                   pairs * t / threads, pairs * (t + 1) / threads};
+                                   units * t / threads, units * (t + 1) / threads};
         running[t] = t < threads - 1 && pthread_create(&ids[t], NULL, attend_span, &spans[t]) == 0;
         if (!running[t]) failed = attend_span(&spans[t]) ? (void *)1 : failed;
     }

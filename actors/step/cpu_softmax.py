@@ -296,9 +296,11 @@ def quantized_attention(
     cache's planes (packed words, scales, biases); ``mask`` None or boolean,
     (rows or 1, 1, ``queries`` or 1, keys). mlx's CPU kernel for
     ``quantized_matmul`` sums each output one lane at a time and reads every
-    key once per query: at 8 rows of 1,100 tokens of SmolLM2's 4-bit KV, one
-    query a row, 6.7 ms a layer against 2.6 ms here, which dequantizes a block
-    of keys once and sums 16 outputs at a time, each still left to right
+    key once per query; the library dequantizes a block of keys once and sums
+    16 outputs at a time in vector lanes, each still left to right. One layer
+    of SmolLM2 (2-core CPU), mlx-lm's function against the library: 8 rows, one
+    query, 453 keys at 8 bits, 3.1 and 0.8 ms; 8 rows of 4 queries over 1,100
+    keys, 32.8 and 3.9 ms; a 512-token chunk over 1,100 keys, 379 and 20 ms
     (``quantized_attention`` in the C file). The result has ``q``'s shape;
     None where this path does not apply (mlx's then)."""
     import mlx.core as mx
