@@ -61,6 +61,11 @@ FLAGS = (
     "-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
     "-fPIC", "-shared",
 )  # fmt: skip
+# Quantized attention runs on one thread below this many query-key pairs (rows x
+# query heads x queries x keys): a decode step of 8 rows of 100 keys took 150 us
+# on one and 210 us on two (the thread's start, and a core the step's other
+# threads hold); two pay from about 70,000 (8 rows of 1,000 keys: 1.0 and 0.6 ms).
+SPLIT_WORK = 50_000
 MIN_QUERIES = 32  # fewer queries a row (decode, verify steps): mlx's own path
 MIN_SCORES = 4096  # below this many scores mlx's own softmax is as quick as a sync
 THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -349,7 +354,8 @@ def quantized_attention(
         scaled.ctypes.data, *(v.ctypes.data for v in views[:3]), strides[0],
         *(v.ctypes.data for v in views[3:]), strides[1],
         None if allowed is None else allowed.ctypes.data, out.ctypes.data,
-        rows, heads, repeats // queries, queries, length, dim, bits, group_size, THREADS,
+        rows, heads, repeats // queries, queries, length, dim, bits, group_size,
+        THREADS if rows * heads * repeats * length >= SPLIT_WORK else 1,
     )  # fmt: skip
     if status < 0:
         return None
