@@ -195,12 +195,16 @@ struct attend {
 };
 
 /* scores[m - first] = q[m] . keys[j0 .. j0 + n), for queries [first, last), one
- * output a lane, each summed over the dim in order (_qmm_t). */
+ * output a lane, each summed over the dim in order (_qmm_t). Four queries at a
+ * time, so that four sums are in flight (a last group of fewer repeats its
+ * last query and keeps what it needs). */
 static void scores_block(const float *q, const lanes *keys, long dim, long first, long last,
                          long n, float *scores, long stride) {
-    long m = first;
-    for (; m + 4 <= last; m += 4) {
-        const float *q0 = q + m * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
+    for (long m = first; m < last; m += 4) {
+        const float *q0 = q + m * dim;
+        const float *q1 = q + (m + 1 < last ? m + 1 : last - 1) * dim;
+        const float *q2 = q + (m + 2 < last ? m + 2 : last - 1) * dim;
+        const float *q3 = q + (m + 3 < last ? m + 3 : last - 1) * dim;
         lanes a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (long k = 0; k < dim; k++) {
             const lanes key = keys[k];
@@ -209,19 +213,11 @@ static void scores_block(const float *q, const lanes *keys, long dim, long first
             a2 = a2 + q2[k] * key;
             a3 = a3 + q3[k] * key;
         }
-        float *row = scores + (m - first) * stride;
-        for (long i = 0; i < n; i++) {
-            row[i] = a0[i];
-            row[stride + i] = a1[i];
-            row[2 * stride + i] = a2[i];
-            row[3 * stride + i] = a3[i];
+        const lanes *sums[4] = {&a0, &a1, &a2, &a3};
+        for (long r = 0; r < 4 && m + r < last; r++) {
+            float *row = scores + (m + r - first) * stride;
+            for (long i = 0; i < n; i++) row[i] = (*sums[r])[i];
         }
-    }
-    for (; m < last; m++) {
-        const float *q0 = q + m * dim;
-        lanes a0 = {0};
-        for (long k = 0; k < dim; k++) a0 = a0 + q0[k] * keys[k];
-        for (long i = 0; i < n; i++) scores[(m - first) * stride + i] = a0[i];
     }
 }
 
