@@ -12,7 +12,7 @@
  * actors/step/cpu_softmax.py builds and loads it and checks it against mlx first.
  *
  * The end of the file: mlx-lm's quantized attention (decode, verify and prefill
- * same way (mlx's arithmetic, summed many outputs at a time).
+ * steps) the same way (mlx's arithmetic, summed many outputs at a time).
  */
 #include <math.h>
 #include <pthread.h>

@@ -304,8 +304,8 @@ def quantized_attention(
     key once per query; the library dequantizes a block of keys once and sums
     16 outputs at a time in vector lanes, each still left to right. One layer
     of SmolLM2 (2-core CPU), mlx-lm's function against the library: 8 rows, one
-    query, 453 keys at 8 bits, 3.1 and 0.8 ms; 8 rows of 4 queries over 1,100
-    keys, 32.8 and 3.9 ms; a 512-token chunk over 1,100 keys, 379 and 20 ms
+    query, 453 keys at 8 bits, 2.9 and 0.6 ms; 8 rows of 4 queries over 1,100
+    keys, 29.7 and 2.6 ms; a 512-token chunk over 1,100 keys, 380 and 23 ms
     (``quantized_attention`` in the C file). The result has ``q``'s shape;
     None where this path does not apply (mlx's then)."""
     import mlx.core as mx
