@@ -551,7 +551,8 @@ def _wire(
             steps,
             inbox=boxes.pre.inbox,
             to_decode=boxes.dec.clone(),
-            together=info.padded_prefill and settings.kv is None,
+            # under --kv-bits, rows that quantize at their prompt's end (a start of 0)
+            together=info.padded_prefill and (settings.kv is None or settings.kv.start == 0),
             kv=settings.kv,
             forks=not loaded.sharded,
             **boxes.ends(),

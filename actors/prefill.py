@@ -172,12 +172,24 @@ def _group(ready: list[Prefill], cap: int) -> list[Prefill]:
     would cost more than the forward it shares (and hold its first token back
     until the whole group's)."""
     chosen: set[int] = set()
-    fresh = [job for job in ready if job.done < GROUP_MAX_CACHED and not job.forks]
+    fresh = [job for job in ready if _groupable(job)]
     for n, job in enumerate(sorted(fresh, key=lambda j: j.remaining), start=1):
         if n * (job.remaining + 1) > cap:
             break
         chosen.add(id(job))
     return [job for job in ready if id(job) in chosen]
+
+
+def _groupable(job: Prefill) -> bool:
+    """Whether ``job`` may be prefilled in a group. Under quantized KV only a
+    fresh row (no prompt-cache take: its caches would be quantized, the others'
+    float) whose prompt ends where mlx-lm quantizes it: the group's float
+    forward, then every row quantized, is then each row's own prefill."""
+    if job.forks:
+        return False
+    if job.kv is None:
+        return job.done < GROUP_MAX_CACHED
+    return job.caches is None and job.quantize_at() == len(job.prompt) - 1
 
 
 def _waits_for_earlier(job: Prefill, earlier: list[Prefill], min_shared: int) -> bool:

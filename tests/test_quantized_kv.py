@@ -92,6 +92,36 @@ async def test_every_join_path_matches_generate_with_kv_bits(family, bits):
         assert refilled > 0  # rows written in place over retired slots, quantized
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+async def test_rows_arriving_together_are_prefilled_as_one_group_exactly(family, bits,
+                                                                          monkeypatch):  # fmt: skip
+    """Fresh rows that arrive together under ``--kv-bits`` (start 0) are
+    prefilled as one padded float batch and then quantized, as float rows are
+    (one forward for all): each row still equals ``generate`` alone."""
+    from mlx_nursery.actors import prefill
+
+    groups = []
+    real = prefill.prefill_together
+    monkeypatch.setattr(prefill, "prefill_together", lambda jobs: groups.append(len(jobs))
+                        or real(jobs))  # fmt: skip
+    # short enough for several to share one chunk (the goldens' prefill step is 32)
+    texts = golden(base(family))["prompts"].values()
+    prompts = [p[:n] for p, n in zip(texts, (2, 6, 7, 8, 9), strict=True)]
+    results = {}
+    async with checked_engine(family, batch=8, kv_bits=bits) as engine:
+
+        async def one(i: int) -> None:
+            results[i] = (await engine.generate(prompts[i], max_tokens=10)).tokens
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+    for i, prompt in enumerate(prompts):
+        assert results[i] == reference(family, prompt, 10, bits), i
+    if family in ("llama_h64", "qwen3_h64"):  # gemma3's windows, falcon's recurrence: alone
+        assert groups and max(groups) >= 2
+
+
 @pytest.mark.parametrize("family", ["llama_h64", "qwen3_h64"])
 async def test_verify_steps_roll_back_quantized_kv_exactly(family, forced_drafts):  # noqa: F811
     g = golden(base(family))

@@ -95,6 +95,13 @@ class Prefill:
         end = min(base + k * self.step_size, last)
         return end if end >= self.kv.start and end > base else None
 
+    def at_quantize(self, caches: list[Any]) -> list[Any]:
+        """``caches`` (this row's, holding ``done`` tokens) as they are at this
+        point of its own prefill: quantized once it reached ``quantize_at``."""
+        if self.kv is not None and self.done == self.quantize_at():
+            self.kv.all_quantized(caches)
+        return caches
+
     def chunk(self, budget: int | None = None) -> int:
         """Prefill the next chunk alone (see :meth:`next_take`)."""
         self._start()
@@ -155,8 +162,11 @@ def prefill_together(jobs: Sequence[Prefill]) -> Batch:
     mask hides them (a finite bias; see docs/batching.md). A row takes at most
     ``step_size`` tokens a chunk and stops at its snapshot boundaries, where its
     KV is extracted for the prompt cache. Only for caches that take padding
-    exactly (plain ``KVCache``, float: quantized rows are prefilled alone, as
-    mlx-lm quantizes them, after every chunk); the caller checks."""
+    exactly (plain ``KVCache``); the caller checks. Under quantized KV, only
+    fresh rows whose prompts end where mlx-lm quantizes them (``quantize_at``):
+    their float prefill, then the caches quantized, row by row the same bits
+    as mlx-lm's (quantization is per token; a snapshot taken at a row's end is
+    quantized as its solo caches would be)."""
     for job in jobs:
         job._start()
     caches = merge([job.caches for job in jobs])
@@ -179,8 +189,11 @@ def prefill_together(jobs: Sequence[Prefill]) -> Batch:
                 c.finalize()
         mx.eval([c.state for c in caches])
         for i, (job, n) in enumerate(zip(jobs, takes, strict=True)):
-            job.advanced(n, lambda i=i: extracted(caches, i))
+            job.advanced(n, lambda i=i, job=job: job.at_quantize(extracted(caches, i)))
         mx.clear_cache()
+    kv = jobs[0].kv
+    if kv is not None:
+        kv.all_quantized(caches)
     batch = Batch(jobs[0].model, [job.slot() for job in jobs], caches, batched=True)
     batch.next_tokens = mx.array([job.prompt[-1] for job in jobs])
     batch.forward()
