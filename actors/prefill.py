@@ -2,7 +2,8 @@
 
 Rows arrive from admission in FIFO order. A GPU turn spends at most
 ``prefill_step_size`` prompt tokens. Where the model's caches take padding
-exactly (plain KV), joiners whose whole prompts fit the turn padded to the
+exactly (plain KV; under ``--kv-bits``, fresh rows that quantize at their
+prompt's end), joiners whose whole prompts fit the turn padded to the
 longest of them are prefilled as one right-padded batch and primed together,
 as mlx-lm's batch prefill does: one large forward instead of one small one per
 row, and their first tokens all come out of that turn. Other joiners (a long
