@@ -33,7 +33,7 @@ from .constrain import ll_tokenizer
 from .decode import Decode
 from .emitter import Emitter
 from .errors import EngineClosed, InvalidRequest, Overloaded
-from .gpu import Gpu
+from .gpu import DeviceLock, Gpu
 from .intake import Intake
 from .mailbox import Mailbox
 from .models.load import ModelInfo, load_draft, load_model
@@ -293,7 +293,7 @@ async def open_engine(
     settings: EngineSettings | None = None,
     *,
     group: Any = None,
-    device: threading.Lock | None = None,
+    device: threading.Lock | DeviceLock | None = None,
     **options: Any,
 ) -> AsyncIterator[Engine | None]:
     """Start the actor graph in a nursery of its own; yields once every actor runs.
@@ -316,9 +316,10 @@ async def open_engine(
     yields the engine; any other rank follows rank 0's GPU calls on its shard
     until rank 0's engine closes, then yields None (see ``docs/scale-out.md``).
 
-    ``device`` (a ``threading.Lock``) is shared by engines opened in one process
-    to serve several models: their steps take turns, never running a forward at
-    once; loading runs beside them (see ``docs/models.md``).
+    ``device`` (a ``threading.Lock``, or a :class:`gpu.DeviceLock` to share it with
+    other processes) is shared by engines serving several models: their steps
+    take turns, never running a forward at once; loading runs beside them (see
+    ``docs/models.md``).
     """
     if settings is None:
         settings = EngineSettings(**options)

@@ -15,7 +15,8 @@ even one stuck in a collective that will never end.
 Several engines in one process (a server with several models) each have their
 own thread, and share one ``device`` lock: a call holds it while it runs, so two
 models never run a forward at once. Loading a model (:meth:`call_loading`) runs
-without it, beside the other models' steps.
+without it, beside the other models' steps. A model served from a process of its
+own (``--model-processes``) shares it through a lock file (:class:`DeviceLock`).
 
 The actor also owns the lane token: one of the two lanes (continuous or serial)
 holds the GPU at a time. Admission takes and hands it over FIFO (drain, never
@@ -26,9 +27,11 @@ than a convention.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import itertools
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -53,11 +56,43 @@ class GpuStatistics:
     lane: Lane | None  # which lane holds the GPU now
 
 
+class DeviceLock:
+    """The device lock, as a ``threading.Lock`` is one, shared with other
+    processes too: the engines of this process take the thread lock first, then
+    an exclusive ``flock`` on ``path`` (every process serving a model of one
+    server opens the same file). Without ``path``, the thread lock alone."""
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = path
+        self._thread = threading.Lock()
+        self._fd = None if path is None else os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def __enter__(self) -> DeviceLock:
+        self._thread.acquire()
+        if self._fd is not None:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            except BaseException:
+                self._thread.release()
+                raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._thread.release()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 @attrs.define(eq=False)
 class Gpu:
     name: str = "mlx-nursery-gpu"
     # Shared by the engines of one process: held by each call but a load's.
-    device: threading.Lock | None = None
+    device: threading.Lock | DeviceLock | None = None
     _jobs: queue.SimpleQueue = attrs.field(factory=queue.SimpleQueue, init=False)
     _thread: threading.Thread | None = attrs.field(default=None, init=False)
     _calls: int = attrs.field(default=0, init=False)

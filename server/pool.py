@@ -16,6 +16,11 @@ recently used is marked *evicting* (no new lease) and unloaded once it drains,
 so its rows finish rather than fail. A lease that waits longer than
 ``--model-wait`` is a 429 with ``Retry-After``. A slot idle for its keep-alive
 is unloaded; a pinned one (keep-alive ``forever``) never is.
+
+With ``--model-processes``, a model other than the default is served by a child
+server of its own (``model_process.py``): the slot then holds that process
+instead of an engine, and the routes forward its requests; the device lock is a
+lock file both processes take.
 """
 
 from __future__ import annotations
@@ -39,9 +44,12 @@ from typing import Any
 import attrs
 import trio
 from mlx_nursery.actors import Engine, EngineSettings, open_engine
+from mlx_nursery.actors.gpu import DeviceLock
 from mlx_nursery.actors.models.registry import short_id
 
+from . import model_process
 from .api.base import ApiError
+from .model_process import ModelProcess
 
 log = logging.getLogger("mlx_nursery.server")
 
@@ -86,6 +94,7 @@ class Slot:
     default: bool = False
     state: ModelState = ModelState.UNLOADED
     engine: Engine | None = None
+    process: ModelProcess | None = None  # served from a process of its own, while loaded
     charge: int | None = None  # bytes reserved while loaded (estimated, then measured)
     context_length: int | None = None
     load_seconds: float | None = None
@@ -97,6 +106,7 @@ class Slot:
     last_used: float = 0.0  # trio time of the last lease or busy sweep
     requests: int = 0
     tokens: int = 0
+    tokens_before: int = 0  # a process-served model's tokens in its earlier processes
     error: str | None = None
     failed_at: float = -math.inf
     stop: trio.Event = attrs.field(factory=trio.Event)
@@ -115,9 +125,17 @@ class Slot:
         for it do not count: an evicting model is unloaded under them)."""
         return self.leases == 0 and (self.engine is None or self.engine.idle())
 
+    def serving(self) -> bool:
+        """Loaded, here or in a process of its own."""
+        return self.state is ModelState.LOADED and (
+            self.engine is not None or self.process is not None
+        )
+
     def resident_bytes(self) -> int:
         """Weights, live KV and the prompt cache of the loaded engine (0 unloaded)."""
         engine = self.engine
+        if self.process is not None and self.state is ModelState.LOADED:
+            return int(self.process.figures.get("resident_bytes") or 0)
         if engine is None or self.state is not ModelState.LOADED:
             return 0
         s = engine.stats()
@@ -141,6 +159,7 @@ class Slot:
             "idle_seconds": None if self.leases or self.state is not ModelState.LOADED
             else round(now - self.last_used, 3),
             "context_length": self.context_length,
+            "process": None if self.process is None else self.process.pid,
             "error": self.error,
         }  # fmt: skip
 
@@ -154,11 +173,13 @@ class Pool:
     budget: int | str | None  # bytes, "auto" (resolved at start) or None: no bound
     wait: float  # seconds a lease waits for its model before a 429
     refs: Mapping[str, str] = attrs.field(factory=dict)  # a model's reference -> its name
-    device: threading.Lock = attrs.field(factory=threading.Lock)
+    device: threading.Lock | DeviceLock = attrs.field(factory=threading.Lock)
     # Called once a slot's load ends: (slot, error or None).
     on_loaded: Callable[[Slot, str | None], None] | None = None
     own_process: bool = False
     group: Any = None  # sharded (``--ranks``): the mx.distributed group of its one model
+    # --model-processes: the server's settings a child's are made from (None: one process)
+    processes: Any = None
     _nursery: trio.Nursery | None = None
     _loading: trio.Lock = attrs.field(factory=trio.Lock)
     _change: trio.Event = attrs.field(factory=trio.Event)
@@ -167,6 +188,7 @@ class Pool:
     def of(
         cls, specs: list[ModelSpec], engine: EngineSettings, *, aliases: Mapping[str, str],
         budget: int | str | None, wait: float, own_process: bool = False, group: Any = None,
+        device: threading.Lock | DeviceLock | None = None, processes: Any = None,
     ) -> Pool:  # fmt: skip
         """The pool over ``specs`` (the first is the default model). With several
         models, an ``auto`` KV budget is a share of the memory budget, and the
@@ -185,7 +207,8 @@ class Pool:
                 raise ValueError(f"--alias {alias}={target}: no model is named {target!r} "
                                  f"(served: {served})")  # fmt: skip
         refs = {str(s.spec.ref): s.name for s in slots.values() if isinstance(s.spec.ref, str)}
-        return cls(slots, dict(aliases), budget, wait, refs, own_process=own_process, group=group)
+        return cls(slots, dict(aliases), budget, wait, refs, own_process=own_process, group=group,
+                   device=device or threading.Lock(), processes=processes)  # fmt: skip
 
     @property
     def default(self) -> Slot:
@@ -222,9 +245,9 @@ class Pool:
     # -- leases -----------------------------------------------------------------------
 
     @asynccontextmanager
-    async def lease(self, slot: Slot) -> AsyncIterator[Engine]:
+    async def lease(self, slot: Slot) -> AsyncIterator[Engine | None]:
         """The slot's engine, loaded if need be, held from eviction while the
-        caller runs."""
+        caller runs (None: the model is served by ``slot.process``)."""
         engine = await self._acquire(slot)
         try:
             yield engine
@@ -233,12 +256,24 @@ class Pool:
             slot.last_used = trio.current_time()
             self._changed()
 
-    async def _acquire(self, slot: Slot) -> Engine:
+    @contextlib.contextmanager
+    def held(self, slot: Slot) -> Any:
+        """One more lease on a loaded slot while the block runs (a forwarded
+        answer's stream, after its handler returned)."""
+        slot.leases += 1
+        try:
+            yield
+        finally:
+            slot.leases -= 1
+            slot.last_used = trio.current_time()
+            self._changed()
+
+    async def _acquire(self, slot: Slot) -> Engine | None:
         asked = trio.current_time()
         deadline = asked + self.wait
         while True:
             engine = slot.engine
-            if slot.state is ModelState.LOADED and not slot.evicting and engine is not None:
+            if slot.serving() and not slot.evicting:
                 slot.leases += 1
                 slot.last_used = trio.current_time()
                 return engine
@@ -312,7 +347,13 @@ class Pool:
             ready.set()
             self._changed()
 
+    def in_process(self, slot: Slot) -> bool:
+        """Whether the slot's model is served in this process (else by a child)."""
+        return self.processes is None or slot.default or not isinstance(slot.spec.ref, str)
+
     async def _serve(self, slot: Slot, ready: trio.Event) -> None:
+        if not self.in_process(slot):
+            return await self._serve_process(slot, ready)
         t0 = trio.current_time()
         group = self.group if slot.default else None
         async with open_engine(slot.spec.ref, slot.settings, device=self.device,
@@ -332,6 +373,57 @@ class Pool:
             await slot.stop.wait()
             slot.state = ModelState.UNLOADING
             self._changed()
+
+    async def _serve_process(self, slot: Slot, ready: trio.Event) -> None:
+        """As :meth:`_serve`, the model in a child server: started, watched (its
+        figures read every ``FIGURES_EVERY`` s; its death is the slot's
+        failure), then told to stop and waited for."""
+        t0 = trio.current_time()
+        settings = model_process.child_settings(self.processes, slot.name, slot.spec.ref,
+                                                slot.settings)  # fmt: skip
+        child = await model_process.start(settings, busy=lambda: self._busy_beside(slot))
+        try:
+            slot.process, slot.state = child, ModelState.LOADED
+            slot.load_seconds = round(trio.current_time() - t0, 3)
+            slot.loads += 1
+            slot.context_length = next(
+                (m.get("context_length") for m in child.stats.get("models", [])), None
+            )
+            slot.last_used = trio.current_time()
+            log.info("model %s loaded in %.2f s in process %d (%s reserved)", slot.name,
+                     slot.load_seconds, child.pid, _mb(slot.charge))  # fmt: skip
+            if self.on_loaded is not None:
+                self.on_loaded(slot, None)
+            ready.set()
+            self._changed()
+            while not slot.stop.is_set():
+                with trio.move_on_after(model_process.FIGURES_EVERY):
+                    await slot.stop.wait()
+                await self.refresh(slot)
+                if child.process.returncode is not None:
+                    raise model_process.ChildFailed(
+                        f"its process {child.pid} ended (exit code {child.process.returncode})"
+                    )
+            slot.state = ModelState.UNLOADING
+            self._changed()
+        finally:
+            if slot.process is not None:
+                slot.unloads += 1
+            slot.process = None
+            slot.tokens_before = slot.tokens
+            await child.stop()
+
+    def _busy_beside(self, slot: Slot) -> bool:
+        """Whether a model other than ``slot`` has work (rows, or requests)."""
+        return any(not s.idle() for s in self.slots.values() if s is not slot and s.serving())
+
+    async def refresh(self, slot: Slot) -> None:
+        """A process-served model's figures read again from its child."""
+        child = slot.process
+        if child is None:
+            return
+        await child.refresh()
+        slot.tokens = slot.tokens_before + int(child.figures.get("tokens") or 0)
 
     def _failed(self, slot: Slot, error: str) -> None:
         slot.error, slot.failed_at = error, trio.current_time()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import httpx
 import trio
 from mlx_nursery.actors import (
     ContextOverflow,
@@ -31,7 +32,7 @@ from mlx_nursery.actors import (
 )
 from quart import Response, current_app, request
 
-from . import dashboard
+from . import dashboard, model_process
 from .api.base import Api, ApiError, Parsed, Served, bad, dumps, sse
 from .api.messages import Messages, count_body
 from .api.openai import OpenAIApi
@@ -94,11 +95,50 @@ class Routes:
         """Every API's generation route: the same path, the API's shapes. The
         request holds a lease on its model (loaded if need be) while it starts."""
         self.state.check_serving()
-        parsed = api.parse(await body_json(self.settings.body_timeout), request.headers)
+        body = await body_json(self.settings.body_timeout)
+        parsed = api.parse(body, request.headers)
         slot = self.state.pool.resolve(parsed.model)
         self.state.requests.adjusted.update(parsed.adjusted)
         async with self.state.pool.lease(slot) as engine:
+            if engine is None:
+                return await self._forward(slot, body)
             return await self._generate(engine, slot, parsed, api)
+
+    async def _forward(self, slot: Slot, body: dict) -> Response:
+        """A request for a model served by a process of its own, passed on as it
+        came (its ``model`` the served name) and its answer streamed back; the
+        slot is leased until the answer ends (``server/model_process.py``)."""
+        child, pool = slot.process, self.state.pool
+        assert child is not None
+        outgoing = child.client.build_request(
+            request.method, request.path, params=list(request.args.items(multi=True)),
+            content=dumps({**body, "model": slot.name}),
+            headers=model_process.forward_headers(request.headers),
+        )  # fmt: skip
+        try:
+            upstream = await child.client.send(outgoing, stream=True)
+        except httpx.TransportError as exc:
+            raise ApiError(503, f"model {slot.name!r} did not answer from its process "
+                           f"{child.pid}: {exc}", type="service_unavailable",
+                           code="model_process_lost") from None  # fmt: skip
+        nursery = current_app.nursery
+
+        async def relay() -> Any:
+            with pool.held(slot):
+                try:
+                    async for chunk in upstream.aiter_raw():
+                        yield chunk
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await upstream.aclose()
+                    if upstream.status_code < 400:
+                        slot.requests += 1
+                    nursery.start_soon(pool.refresh, slot)
+
+        headers = model_process.back_headers(upstream.headers)
+        response = Response(relay(), status=upstream.status_code, headers=headers)
+        response.timeout = None
+        return response
 
     async def _generate(self, engine: Engine, slot: Slot, parsed: Parsed, api: Api) -> Response:
         if parsed.n > 1:
@@ -157,7 +197,10 @@ class Routes:
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}
         parsed = api.parse(body, request.headers)
-        async with self.state.pool.lease(self.state.pool.resolve(parsed.model)) as engine:
+        slot = self.state.pool.resolve(parsed.model)
+        async with self.state.pool.lease(slot) as engine:
+            if engine is None:
+                return await self._forward(slot, body)
             try:
                 tokens = len(engine.encode(parsed.request.prompt, **parsed.prompt_params))
             except InvalidRequest as exc:
@@ -267,6 +310,9 @@ class Routes:
         slot = self.state.pool.resolve(request.args.get("model"))
         engine = slot.engine
         body = stats_json(engine.stats()) if engine is not None else {}
+        if slot.process is not None:  # its engine's figures, from its process
+            await self.state.pool.refresh(slot)
+            body = {k: v for k, v in slot.process.stats.items() if k not in _SERVER_FIGURES}
         body["model"] = slot.name
         body.update(self.state.pool.figures())
         body["recent_requests"] = list(self.state.requests.recent)
@@ -300,6 +346,11 @@ class Routes:
             self.state.pool.figures(),
         )  # fmt: skip
         return Response(body, content_type=content_type)
+
+
+# /stats keys that are the server's, not a model engine's
+_SERVER_FIGURES = frozenset({"model", "models", "memory_budget_bytes", "reserved_bytes",
+                             "recent_requests", "refusals", "prompt_adjusted"})  # fmt: skip
 
 
 def session_json(s: SessionView) -> dict:

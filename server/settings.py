@@ -103,3 +103,13 @@ class Settings:
     # The process is the server's own (the CLI): its startup heap is frozen out of
     # the GC once the model is loaded (``state.freeze_startup_heap``).
     own_process: bool = setting(False, cli=False, help="the process is the server's own")
+    # Several models (docs/models.md, "A process a model"): the others each in a
+    # child server of their own, on loopback, proxied; one device lock file.
+    model_processes: bool = setting(
+        False, help="serve each model but the default from a process of its own, niced, "
+        "behind this server: its load (the tokenizers' seconds under Python's GIL) and "
+        "its memory stay out of the default model's process",
+    )  # fmt: skip
+    device_lock: Path | None = setting(
+        None, cli=False, help="the lock file the processes of one server's models share"
+    )

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import gc
 import logging
+import os
+import tempfile
+from pathlib import Path
 
 import attrs
 import trio
 from mlx_nursery.actors import Engine
 from mlx_nursery.actors.families import family_of
+from mlx_nursery.actors.gpu import DeviceLock
 from mlx_nursery.actors.models.registry import short_id
 
 from .api.base import ApiError
@@ -158,6 +162,11 @@ def pool_of(settings: Settings) -> Pool:
     specs = [ModelSpec(name, settings.model, keep.get(name))]  # pinned unless named
     for name, ref in settings.models:
         specs.append(ModelSpec(name, ref, keep.get(name, keep.get("", DEFAULT_KEEP_ALIVE))))
+    processes, lock = None, settings.device_lock
+    if settings.model_processes and several:  # docs/models.md, "A process a model"
+        lock = lock or Path(tempfile.gettempdir()) / f"mlx-nursery-{os.getpid()}.device.lock"
+        processes = attrs.evolve(settings, device_lock=lock)
     return Pool.of(specs, engine, aliases=settings.aliases, budget=settings.memory_budget,
                    wait=settings.model_wait, own_process=settings.own_process,
-                   group=settings.group)  # fmt: skip
+                   group=settings.group, processes=processes,
+                   device=None if lock is None else DeviceLock(lock))  # fmt: skip

@@ -6,6 +6,8 @@ equal single-model servers' while the memory stays within the budget."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -13,6 +15,7 @@ import pytest
 import trio
 from conftest import model_path, running_server, server_process
 from mlx_nursery.actors import EngineSettings
+from mlx_nursery.actors.gpu import DeviceLock
 from mlx_nursery.server.pool import SHARE_OF_BUDGET, ModelState, auto_memory_budget, estimate
 from mlx_nursery.server.top import render
 from rich.console import Console
@@ -41,10 +44,11 @@ def states(body: dict) -> dict[str, str]:
     return {card["id"]: card["state"] for card in body["data"]}
 
 
-async def test_models_by_name_alias_and_a_404_naming_what_is_served():
+@pytest.mark.parametrize("processes", [False, True], ids=["one-process", "model-processes"])
+async def test_models_by_name_alias_and_a_404_naming_what_is_served(processes):
     async with running_server(
         model_name="main", models=models("qwen3"),
-        aliases={"claude-haiku-*": "qwen3", "gpt-small": "qwen3"},
+        aliases={"claude-haiku-*": "qwen3", "gpt-small": "qwen3"}, model_processes=processes,
     ) as (url, state):  # fmt: skip
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             listed = (await http.get("/v1/models")).json()
@@ -94,11 +98,33 @@ async def test_models_by_name_alias_and_a_404_naming_what_is_served():
             assert 'mlx_nursery_model_state{model="qwen3",state="loaded"} 1.0' in metrics
             assert 'mlx_nursery_model_requests_total{model="qwen3"} 3.0' in metrics
             assert 'mlx_nursery_model_resident_bytes{model="main"}' in metrics
+            child = state.pool.slots["qwen3"].process
+            assert (child is not None) == processes and figures["qwen3"]["process"] == (
+                child and child.pid
+            )
+            if processes:  # its engine's figures are its process's
+                engine = (await http.get("/stats", params={"model": "qwen3"})).json()
+                assert engine["batch"]["configured"] and engine["models"][1]["name"] == "qwen3"
+                streamed = await http.post("/v1/chat/completions", json={
+                    "model": "gpt-small", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 8, "temperature": 0, "stream": True,
+                })  # fmt: skip
+                assert streamed.headers["content-type"].startswith("text/event-stream")
+                assert streamed.text.rstrip().endswith("data: [DONE]")
+                counted = await http.post("/v1/messages/count_tokens", json={
+                    "model": "claude-haiku-4-5", "messages": [{"role": "user", "content": "hi"}]
+                })  # fmt: skip
+                assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
     assert state.pool.slots["qwen3"].state is ModelState.UNLOADED  # closed with the server
+    if processes:
+        assert child.process.returncode == 0  # told to stop, it drained and exited
 
 
-async def test_an_idle_model_unloads_after_its_keep_alive_and_loads_again():
-    async with running_server(models=models("qwen3"), keep_alive={"": 0.5}) as (url, state):
+@pytest.mark.parametrize("processes", [False, True], ids=["one-process", "model-processes"])
+async def test_an_idle_model_unloads_after_its_keep_alive_and_loads_again(processes):
+    async with running_server(
+        models=models("qwen3"), keep_alive={"": 0.5}, model_processes=processes
+    ) as (url, state):
         slot = state.pool.slots["qwen3"]
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             first = (await chat(http, "qwen3", "hello there")).json()
@@ -106,10 +132,15 @@ async def test_an_idle_model_unloads_after_its_keep_alive_and_loads_again():
             with trio.fail_after(0.5 + 5):
                 while slot.state is not ModelState.UNLOADED:  # noqa: ASYNC110 (polled)
                     await trio.sleep(0.05)
-            assert slot.unloads == 1 and slot.engine is None
+            assert slot.unloads == 1 and slot.engine is None and slot.process is None
             assert state.pool.default.state is ModelState.LOADED  # pinned
             again = (await chat(http, "qwen3", "hello there")).json()
             assert again["choices"] == first["choices"] and slot.loads == 2
+            if processes:  # the answer is the one-process server's
+                async with running_server(models=models("qwen3")) as (alone_url, _):
+                    async with httpx.AsyncClient(base_url=alone_url, timeout=60) as alone:
+                        alone_answer = (await chat(alone, "qwen3", "hello there")).json()
+                assert alone_answer["choices"] == first["choices"]
 
 
 async def test_a_model_waiting_for_a_busy_one_is_a_429_with_retry_after_then_loads():
@@ -337,3 +368,33 @@ async def test_two_engines_in_one_process_share_the_device_lock_and_match_golden
         for i, case in enumerate(family_cases):
             assert results[family, i] == case["tokens"], (family, case["prompt"])
     assert a._gpu.device is lock and b._gpu.device is lock
+
+
+def test_the_device_lock_file_excludes_another_process(tmp_path):
+    """`--model-processes`: the parent's engines and a child's take one lock file."""
+    path = tmp_path / "device.lock"
+    script = (
+        "import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\nsys.stdin.read()"
+    )
+    lock = DeviceLock(path)
+    entered = threading.Event()
+
+    def take() -> None:
+        with lock:
+            entered.set()
+
+    with subprocess.Popen([sys.executable, "-c", script, str(path)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as holder:  # fmt: skip
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            taker = threading.Thread(target=take)
+            taker.start()
+            assert not entered.wait(0.5)  # the other process holds it
+            holder.stdin.close()
+            assert holder.wait(10) == 0
+            assert entered.wait(10)
+            taker.join()
+        finally:
+            holder.kill()
+            lock.close()
