@@ -3,16 +3,16 @@
 - load beside decoding: SmolLM2 (the default, pinned) streams a long answer
   while Gemma 3 270M, already converted, loads for a request of its own; the
   load's time (from /stats) and SmolLM2's tok/s during it against its tok/s
-  alone (target >= 0.8x), with Gemma in the server's process and with
-  ``--model-processes`` (Gemma in a child server, its load throttled while
-  SmolLM2 decodes);
+  alone (target >= 0.8x), with ``--model-processes off`` (Gemma in the server's
+  process) and on (the default: Gemma in a child server, its load throttled
+  while SmolLM2 decodes);
 - swap storm: SmolLM2, Gemma 3 270M and the 30M bench llama under a memory
   budget that holds any two of them (their charges, as the server estimates
   them) but never three; 100 random requests across the three from 8 clients:
   every status (200, or 429 with Retry-After; never a 5xx), the loads, what the
   loaded models hold (weights, KV, prompt cache; /stats every 100 ms) against
   the budget, the server's RSS, and whether every answer equals a single-model
-  server's.
+  server's; with ``--model-processes`` off and on.
 
     python bench/models.py   (the servers run with OpenBLAS preloaded)
 
@@ -77,7 +77,7 @@ def load_beside_decode(processes: bool) -> dict:
     argv = [*SERVE, "--model", f"smollm2={m['smollm2']}", "--model", f"gemma={m['gemma']}",
             "--keep-alive", "gemma=1",
             # a throttled load takes longer than the default minute a request waits
-            *(["--model-processes", "--model-wait", "300"] if processes else [])]  # fmt: skip
+            *(["--model-wait", "300"] if processes else ["--model-processes", "off"])]  # fmt: skip
     with Server("models", argv, free_port()) as server, httpx.Client(base_url=server.url) as http:
         complete(http, "smollm2", "Hello")
         complete(http, "gemma", "Hello")  # the first load (its conversion is cached already)
@@ -103,11 +103,18 @@ def load_beside_decode(processes: bool) -> dict:
 
 
 def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return int(next(x for x in f if x.startswith("VmRSS:")).split()[1]) * 1024
+    """The process's RSS and its children's (a model in a process of its own)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            own = int(next(x for x in f if x.startswith("VmRSS:")).split()[1]) * 1024
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except (OSError, StopIteration):
+        return 0
+    return own + sum(rss(c) for c in children)
 
 
-def storm(seed: int = 46) -> dict:
+def storm(seed: int = 46, processes: bool = False) -> dict:
     m = models()
     settings = EngineSettings(dtype="auto", kv_budget=256 << 20)
     charges = sorted(estimate(ref, settings) for ref in m.values())
@@ -122,7 +129,8 @@ def storm(seed: int = 46) -> dict:
                 reference[name, p] = complete(http, "default", p).json()["choices"][0]["text"]
     argv = [*SERVE, *(a for name, ref in m.items() for a in ("--model", f"{name}={ref}")),
             "--keep-alive", "smollm2=30", "--keep-alive", "30",
-            "--memory-budget", str(budget)]  # fmt: skip
+            "--memory-budget", str(budget),
+            "--model-processes", "on" if processes else "off"]  # fmt: skip
     rng = random.Random(seed)
     work = [(rng.choice(list(m)), rng.choice(PROMPTS)) for _ in range(100)]
     codes, wrong, bare, peak, peak_rss = [], [], [], [0], [0]
@@ -181,6 +189,8 @@ def main() -> None:
     print(apart)
     s = storm()
     print(s)
+    sp = storm(processes=True)
+    print(sp)
     mib = 2**20
     statuses = ", ".join(f"{n} x {c}" for c, n in sorted(s["codes"].items()))
     lines = [
@@ -190,18 +200,19 @@ def main() -> None:
         "",
         "| figure | measured | target |",
         "|---|---|---|",
-        f"| Gemma 3 270M second load (converted already) | {beside['load_seconds']:.2f} s "
+        f"| `--model-processes off`: Gemma 3 270M second load (converted already), in the "
+        f"server's process | {beside['load_seconds']:.2f} s "
         f"(its request: {beside['request_seconds']:.2f} s) | reported |",
         f"| SmolLM2 decode during that load vs alone | {beside['beside']:.1f} / "
         f"{beside['alone']:.1f} tok/s = {beside['ratio']:.2f}x | >= 0.8x |",
-        f"| the same with `--model-processes` (Gemma in a child server): its load | "
+        f"| `--model-processes on` (the default: Gemma in a child server): its load | "
         f"{apart['load_seconds']:.2f} s (its request: {apart['request_seconds']:.2f} s) | "
         "reported |",
-        f"| SmolLM2 decode during that load vs alone, `--model-processes` | "
+        f"| SmolLM2 decode during that load vs alone, `--model-processes on` | "
         f"{apart['beside']:.1f} / {apart['alone']:.1f} tok/s = {apart['ratio']:.2f}x | "
         ">= 0.8x |",
-        f"| swap storm: 100 requests, 3 models, 8 clients | {statuses} in {s['seconds']:.1f} s; "
-        f"loads {s['loads']} | 200 or 429, never 5xx |",
+        f"| `off`: swap storm: 100 requests, 3 models, 8 clients | {statuses} in "
+        f"{s['seconds']:.1f} s; loads {s['loads']} | 200 or 429, never 5xx |",
         f"| what the loaded models hold, peak (sampled every 100 ms) | "
         f"{s['peak_resident'] / mib:,.0f} MiB of a {s['budget'] / mib:,.0f} MiB budget | "
         "<= budget |",
@@ -209,6 +220,13 @@ def main() -> None:
         f"{s['peak_rss'] / mib:,.0f} MiB | (the runtime plus the budget) |",
         f"| answers equal to single-model servers | {s['codes'].get(200, 0) - len(s['wrong'])} "
         f"of {s['codes'].get(200, 0)}; 429s without Retry-After: {len(s['bare_429'])} | all |",
+        f"| `on`: the storm: statuses; what the models hold, peak; RSS of "
+        f"the server and its children, peak; answers equal | "
+        f"{', '.join(f'{n} x {c}' for c, n in sorted(sp['codes'].items()))} in "
+        f"{sp['seconds']:.1f} s, loads {sp['loads']}; {sp['peak_resident'] / mib:,.0f} MiB; "
+        f"{sp['peak_rss'] / mib:,.0f} MiB; {sp['codes'].get(200, 0) - len(sp['wrong'])} of "
+        f"{sp['codes'].get(200, 0)}, 429s without Retry-After: {len(sp['bare_429'])} | "
+        "as above |",
         "",
         f"Charges (weights + KV budget + a step's workspace), smallest first: "
         f"{', '.join(f'{c / mib:,.0f} MiB' for c in s['charges'])}; the budget is the two "

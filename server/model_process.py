@@ -14,21 +14,19 @@ came (its ``model`` field the served name) and the answer streamed back.
 Both processes' engines take one device lock (``gpu.DeviceLock``: a lock
 file), so two models still never run a forward at once. The child ends when
 told (SIGTERM: it drains and exits) or when its parent is gone (its standard
-input closes).
+input closes): ``model_child.py`` is its side.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import pickle
 import secrets
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -41,8 +39,9 @@ log = logging.getLogger("mlx_nursery.server")
 NICE = 10  # the child's niceness once loaded
 READY_POLL = 0.1  # seconds between looks at the child's /health while it loads
 THROTTLE_PERIOD = 0.1  # seconds: a loading child's turn, when the other models decode
-LOAD_SHARE = 0.2  # of which it runs this share
+LOAD_SHARE = 0.1  # of which it runs this share
 FIGURES_EVERY = 1.0  # seconds between reads of the child's figures
+FAILED = "failed:"  # the child's last line on stdout when its model did not load
 LOG_LEVEL_ENV = "MLX_NURSERY_CHILD_LOG_LEVEL"  # the parent's, for the child's log
 STOP_GRACE = 20.0  # seconds the child gets to drain after SIGTERM, then it is killed
 # Request headers not passed on (the hop's own, and the client's key: the child has its own).
@@ -104,12 +103,14 @@ class ModelProcess:
 def child_settings(template: Any, name: str, ref: Any, engine: Any) -> Any:
     """The settings of the child serving ``ref`` as ``name``: one model, pinned,
     on a loopback port the OS picks, with a key of its own, no memory bound of
-    its own (the parent's budget counts it), the parent's engine settings."""
+    its own (the parent's budget counts it), the parent's engine settings and
+    request log (a line a request, appended: the two processes' lines interleave
+    whole)."""
     return attrs.evolve(
         template, model=ref, model_name=name, models=(), aliases={}, keep_alive={},
         memory_budget=None, host="127.0.0.1", port=0, api_key=secrets.token_urlsafe(24),
         no_api_key=False, protect_stats=True, allowed_origins=(), allowed_hosts=(),
-        request_log=None, model_processes=False, own_process=True, engine=engine,
+        model_processes=False, own_process=True, engine=engine,
         drain_seconds=min(template.drain_seconds, STOP_GRACE - 5),
     )  # fmt: skip
 
@@ -120,7 +121,7 @@ async def start(settings: Any, busy: Callable[[], bool] = lambda: False) -> Mode
     While it loads, it runs a ``LOAD_SHARE`` of the time whenever ``busy()`` (the
     other models decode): :func:`_throttle`."""
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "mlx_nursery.server.model_process"],
+        [sys.executable, "-m", "mlx_nursery.server.model_child"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         env={**os.environ, LOG_LEVEL_ENV: str(logging.getLogger().getEffectiveLevel())},
     )  # fmt: skip
@@ -137,10 +138,16 @@ async def start(settings: Any, busy: Callable[[], bool] = lambda: False) -> Mode
             headers={"Authorization": f"Bearer {settings.api_key}"},
         )  # fmt: skip
         handle = ModelProcess(process, url, settings.api_key, client)
+        failure: ChildFailed | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_throttle, process, busy)
-            await _ready(process, client)
+            try:
+                await _ready(process, client)
+            except ChildFailed as exc:
+                failure = exc  # raised below, outside the nursery's exception group
             nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
         await handle.refresh()
         return handle
     except BaseException:
@@ -154,20 +161,27 @@ async def start(settings: Any, busy: Callable[[], bool] = lambda: False) -> Mode
 
 
 async def _ready(process: trio.Process, client: httpx.AsyncClient) -> None:
-    """Until the child's /health says its model serves."""
+    """Until the child's /health says its model serves; :class:`ChildFailed`
+    with the reason the child gave (its last line) if it ends first."""
     while True:
-            if process.returncode is not None:
-                raise ChildFailed(f"the model's process ended while loading (exit code "
-                                  f"{process.returncode})")  # fmt: skip
-            try:
-                r = await client.get("/health")
-            except httpx.TransportError:
-                r = None
-            if r is not None and r.status_code == 200:
-                break
-            if r is not None and r.json().get("status") == "failed":
-                raise ChildFailed(r.json().get("error") or "its engine failed to start")
-            await trio.sleep(READY_POLL)
+        if process.returncode is not None:
+            assert process.stdout is not None
+            said = ""
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while chunk := await process.stdout.receive_some():
+                    said += chunk.decode(errors="replace")
+            why = said.partition(FAILED)[2].strip()
+            raise ChildFailed(why or f"the model's process ended while loading (exit code "
+                              f"{process.returncode})")  # fmt: skip
+        try:
+            r = await client.get("/health")
+        except httpx.TransportError:
+            r = None
+        if r is not None and r.status_code == 200:
+            return
+        if r is not None and r.json().get("status") == "failed":
+            raise ChildFailed(r.json().get("error") or "its engine failed to start")
+        await trio.sleep(READY_POLL)
 
 
 async def _throttle(process: trio.Process, busy: Callable[[], bool]) -> None:
@@ -212,70 +226,3 @@ def forward_headers(headers: Any) -> dict[str, str]:
 
 def back_headers(headers: Any) -> list[tuple[str, str]]:
     return [(k, v) for k, v in headers.multi_items() if k.lower() not in HOP_BACK]
-
-
-def retry_after(seconds: float) -> int:
-    return max(1, math.ceil(seconds))
-
-
-# -- the child's side ------------------------------------------------------------------
-
-
-def _watch_parent() -> None:
-    """End this process (as on SIGTERM) once the parent's end of stdin closes."""
-    with contextlib.suppress(OSError):
-        while sys.stdin.buffer.read(4096):
-            pass
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _policy(policy: int) -> None:
-    """Every thread of this process under the scheduling ``policy``."""
-    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
-        with contextlib.suppress(OSError, AttributeError):
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
-
-
-async def _loaded(state: Any) -> None:
-    """Once the model serves: the normal scheduling policy back (still niced)."""
-    while state.phase == "starting":  # noqa: ASYNC110 (the model loads meanwhile)
-        await trio.sleep(READY_POLL)
-    _policy(getattr(os, "SCHED_OTHER", 0))
-
-
-def main() -> None:
-    """The child: read its settings (pickled, on stdin), announce its URL on
-    stdout, serve its one model until SIGTERM or the parent's end. It loads
-    under ``SCHED_IDLE`` (Linux: it runs only on cores the other processes
-    leave idle, so the models decoding meanwhile keep their speed), then serves
-    niced."""
-    from .serve import exit_now, serve
-
-    settings = pickle.load(sys.stdin.buffer)
-    with contextlib.suppress(OSError):
-        os.nice(NICE)
-    if hasattr(os, "SCHED_IDLE"):
-        _policy(os.SCHED_IDLE)
-    logging.basicConfig(
-        level=int(os.environ.get(LOG_LEVEL_ENV, logging.WARNING)),
-        format=f"%(asctime)s %(levelname)s %(name)s [{settings.model_name}]: %(message)s",
-    )
-    threading.Thread(target=_watch_parent, name="parent-watch", daemon=True).start()
-
-    async def run() -> Any:
-        async with trio.open_nursery() as nursery:
-            urls, state = await nursery.start(
-                lambda task_status: serve(settings, handle_signals=True, task_status=task_status)
-            )
-            print(urls[0], flush=True)
-            nursery.start_soon(_loaded, state)
-        return state
-
-    state = trio.run(run)
-    if state.phase == "failed":
-        exit_now(1, f"the engine failed: {state.error}")
-    exit_now(0, "shut down")
-
-
-if __name__ == "__main__":
-    main()

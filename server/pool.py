@@ -507,7 +507,12 @@ class Pool:
                     self._stop(slot, f"idle for {slot.spec.keep_alive:g} s")
 
     def loaded(self) -> list[Slot]:
+        """The slots whose engines are loaded in this process."""
         return [s for s in self.slots.values() if s.state is ModelState.LOADED and s.engine]
+
+    def processes_serving(self) -> list[ModelProcess]:
+        """The models' own processes that serve now."""
+        return [s.process for s in self.slots.values() if s.serving() and s.process]
 
     async def wait_idle(self) -> None:
         for slot in self.loaded():

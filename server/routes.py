@@ -7,6 +7,7 @@ stream the API's frames through the one SSE loop (``api.base.sse``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -288,9 +289,12 @@ class Routes:
     async def sessions(self) -> Response:
         """``GET /v1/sessions``: the live sessions, each with its rows."""
         self.state.check_serving()
-        return json_response({"object": "list", "data": [
-            session_json(s) for slot in self.state.pool.loaded() for s in slot.engine.sessions()
-        ]})  # fmt: skip
+        data = [session_json(s) for slot in self.state.pool.loaded()
+                for s in slot.engine.sessions()]  # fmt: skip
+        for child in self.state.pool.processes_serving():
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                data += (await child.client.get("/v1/sessions")).json()["data"]
+        return json_response({"object": "list", "data": data})
 
     async def cancel_session(self, session: str) -> Response:
         """``DELETE /v1/sessions/{id}``: end every queued and running row of the
@@ -298,6 +302,10 @@ class Routes:
         self.state.check_serving()
         why = f"session {session} was cancelled by DELETE"
         n = sum(slot.engine.cancel_session(session, why) for slot in self.state.pool.loaded())
+        for child in self.state.pool.processes_serving():
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                r = await child.client.delete(f"/v1/sessions/{session}")
+                n += r.json()["cancelled"] if r.status_code == 200 else 0
         if not n:
             raise ApiError(404, f"no live session {session!r}; GET /v1/sessions lists them",
                            type="not_found_error", code="session_not_found")  # fmt: skip

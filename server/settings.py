@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 from mlx_nursery.actors import EngineSettings
 from mlx_nursery.actors.budget import parse_budget
-from mlx_nursery.actors.settings import setting
+from mlx_nursery.actors.settings import _on_off, setting
 
 API_KEY_ENV = "MLX_NURSERY_API_KEY"
 
@@ -106,9 +106,10 @@ class Settings:
     # Several models (docs/models.md, "A process a model"): the others each in a
     # child server of their own, on loopback, proxied; one device lock file.
     model_processes: bool = setting(
-        False, help="serve each model but the default from a process of its own, niced, "
-        "behind this server: its load (the tokenizers' seconds under Python's GIL) and "
-        "its memory stay out of the default model's process",
+        True, parse=_on_off, shown="on",
+        help="serve each model but the default from a process of its own, behind this "
+        "server: its load (the tokenizers' seconds under Python's GIL) stays out of the "
+        "other models' process and yields to their decoding; off: one process",
     )  # fmt: skip
     device_lock: Path | None = setting(
         None, cli=False, help="the lock file the processes of one server's models share"

@@ -5,7 +5,9 @@ equal single-model servers' while the memory stays within the budget."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -115,6 +117,9 @@ async def test_models_by_name_alias_and_a_404_naming_what_is_served(processes):
                     "model": "claude-haiku-4-5", "messages": [{"role": "user", "content": "hi"}]
                 })  # fmt: skip
                 assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+                sessions = await http.get("/v1/sessions")  # every process's, none live
+                assert sessions.status_code == 200 and sessions.json()["data"] == []
+                assert (await http.delete("/v1/sessions/none")).status_code == 404
     assert state.pool.slots["qwen3"].state is ModelState.UNLOADED  # closed with the server
     if processes:
         assert child.process.returncode == 0  # told to stop, it drained and exited
@@ -288,19 +293,23 @@ def test_model_flags_make_the_settings():
 
 
 def rss(pid: int) -> int:
-    """A process's resident set, in bytes."""
+    """A process's resident set and its children's (a model's own process), in bytes."""
     with open(f"/proc/{pid}/status") as f:
         line = next(line for line in f if line.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    return int(line.split()[1]) * 1024 + sum(rss(c) for c in children)
 
 
 @pytest.mark.real
 @pytest.mark.slow
-async def test_real_models_share_a_server_and_an_idle_one_gives_its_memory_back():
+@pytest.mark.parametrize("processes", ["on", "off"])
+async def test_real_models_share_a_server_and_an_idle_one_gives_its_memory_back(processes):
     """SmolLM2 (the default, pinned) and Gemma 3 270M (keep-alive 2 s) in one
-    server process, run as users run it: Gemma loads on its first request, and
-    within keep-alive + 5 s of its last one the process's RSS is back within 10%
-    of what it was before Gemma loaded; loaded again, it answers the same."""
+    server, run as users run it, Gemma in a process of its own or not: Gemma
+    loads on its first request, and within keep-alive + 5 s of its last one the
+    server's RSS (its children's included) is back within 10% of what it was
+    before Gemma loaded; loaded again, it answers the same."""
     from mlx_nursery.actors.models import registry
 
     for model in (registry.DEFAULT, registry.GEMMA3_270M):
@@ -309,7 +318,7 @@ async def test_real_models_share_a_server_and_an_idle_one_gives_its_memory_back(
     keep = 2.0
     async with server_process(
         "--model", str(registry.DEFAULT.file), "--model", f"gemma={registry.GEMMA3_270M.file}",
-        "--keep-alive", f"gemma={keep:g}", openblas=True,
+        "--keep-alive", f"gemma={keep:g}", "--model-processes", processes, openblas=True,
     ) as (url, pid):  # fmt: skip
         async with httpx.AsyncClient(base_url=url, timeout=300) as http:
             main = (await http.get("/v1/models")).json()["data"][0]["id"]
@@ -398,3 +407,18 @@ def test_the_device_lock_file_excludes_another_process(tmp_path):
         finally:
             holder.kill()
             lock.close()
+
+
+async def test_a_model_that_cannot_load_in_its_own_process_is_a_503_saying_why(tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(model_path("qwen3"), broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "model_type": "no_such_family"}))
+    async with running_server(models=(("broken", str(broken)),)) as (url, state):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            r = await chat(http, "broken", "hi")
+            assert r.status_code == 503, r.text
+            error = r.json()["error"]
+            assert error["code"] == "model_load_failed" and "no_such_family" in error["message"]
+            assert state.pool.slots["broken"].process is None
+            assert (await chat(http, "default", "hi")).status_code == 200  # the rest serves
