@@ -134,7 +134,8 @@ class Routes:
                         await upstream.aclose()
                     if upstream.status_code < 400:
                         slot.requests += 1
-                    nursery.start_soon(pool.refresh, slot)
+                    with contextlib.suppress(RuntimeError):  # the server is closing
+                        nursery.start_soon(pool.refresh, slot)
 
         headers = model_process.back_headers(upstream.headers)
         response = Response(relay(), status=upstream.status_code, headers=headers)
