@@ -40,6 +40,10 @@ def every_call(monkeypatch) -> list:
             used.append(args[2:4])
             return library.softmax_rows(*args)
 
+        def softmax_causal_rows(self, *args):
+            used.append(args[2:4])
+            return library.softmax_causal_rows(*args)
+
     monkeypatch.setattr(cpu_softmax, "library", lambda: Counting())
     return used
 
@@ -73,6 +77,40 @@ def test_softmax_is_mlx_softmax(shape, every_call):
     got = cpu_softmax.softmax(s)
     assert np.array_equal(bits(got), bits(mx.softmax(s, axis=-1, precise=True)))
     assert every_call, "the library was not reached"
+
+
+CAUSAL = [  # (blocks, queries a block, keys): the first query sees keys - queries + 1
+    (1, 5, 10),
+    (3, 33, 601),
+    (2, 4, 50),
+    (1, 8, 8),
+    (9, 512, 4608),
+]
+
+
+@pytest.mark.parametrize("case", CAUSAL, ids=[str(c) for c in CAUSAL])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_causal_softmax_is_mlxs_mask_then_softmax(case, in_place):
+    """The causal mask applied in the library (its masked values never read) is
+    mlx's: float32's lowest value where masked, then the softmax; also on the
+    rows where that shortcut does not hold (all -inf, a NaN, +inf, values near
+    the lowest), and written over the scores."""
+    blocks, length, keys = case
+    rng = np.random.default_rng(keys)
+    scores = rng.normal(0, 8, (blocks, length, keys)).astype(np.float32)
+    flat = scores.reshape(-1, keys)
+    flat[0, :] = -np.inf
+    flat[1, 0] = np.nan
+    flat[2, :3] = -3.4e38
+    flat[3, 1] = np.inf
+    s = mx.array(scores)
+    mx.eval(s)
+    want = mx.softmax(cpu_softmax._masked(s, length, keys - length), axis=-1, precise=True)
+    mx.eval(want)  # before the scores are written over
+    got = cpu_softmax.softmax(s, causal=(length, keys - length), in_place=in_place)
+    same = (bits(got) == bits(want)) | (np.isnan(np.asarray(got)) & np.isnan(np.asarray(want)))
+    assert np.all(same)
+    assert (got is s) == (in_place and scores.size >= cpu_softmax.MIN_SCORES)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 601), (8, 9, 49152), (2, 3, 151936)])
@@ -162,7 +200,9 @@ def test_a_verify_step_folds_the_query_heads_and_keeps_mlxs_numbers(case, monkey
         :, None
     ]
     reached, softmax = [], cpu_softmax.softmax
-    monkeypatch.setattr(cpu_softmax, "softmax", lambda s: reached.append(s.shape) or softmax(s))
+    monkeypatch.setattr(
+        cpu_softmax, "softmax", lambda s, **kw: reached.append(s.shape) or softmax(s, **kw)
+    )
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
     got = cpu_softmax.attention(q, k, v, 0.125, mask, verify=True)
     assert got.shape == want.shape
@@ -178,7 +218,7 @@ def test_a_verify_step_folds_the_query_heads_and_keeps_mlxs_numbers(case, monkey
 def test_other_dtypes_and_small_calls_take_mlx_path(monkeypatch):
     """float16 attention, decode steps and calls below ``MIN_SCORES`` never reach
     the library."""
-    monkeypatch.setattr(cpu_softmax, "softmax", lambda s: pytest.fail("used the library"))
+    monkeypatch.setattr(cpu_softmax, "softmax", lambda s, **kw: pytest.fail("used the library"))
     q = mx.zeros((1, 2, 1, 16), mx.float16)
     cpu_softmax.attention(q, q, q, 0.25)
     small = mx.zeros((1, 2, 40, 16))

@@ -14,6 +14,7 @@
  * The end of the file: mlx-lm's quantized attention (decode, verify and prefill
  * steps) the same way (mlx's arithmetic, summed many outputs at a time).
  */
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -63,8 +64,8 @@ static inline float row_maximum(const float *restrict in, long m) {
     return maximum;
 }
 
-/* mlx::core::softmax<float, float> for one row of m values. */
-static void softmax_row(const float *restrict in, float *restrict out, long m) {
+/* mlx::core::softmax<float, float> for one row of m values (`out` may be `in`). */
+static void softmax_row(const float *in, float *out, long m) {
     float maximum = row_maximum(in, m);
     for (long j = 0; j < m; j++) out[j] = exp_like_mlx(in[j] - maximum);
     float normalizer = 0.0f;
@@ -89,11 +90,36 @@ static float logsumexp_row(const float *restrict in, float *restrict scratch, lo
     return isinf(maximum) ? maximum : logf(normalizer) + maximum;
 }
 
+/* mlx's softmax of a row whose values past the first `valid` are masked with
+ * float32's lowest value (its attention's causal mask), from the first `valid`
+ * alone: while exp(lowest - maximum) is 0, the masked values leave the maximum
+ * as it is, add 0 to the sum (a float plus zero is itself) and come out as 0
+ * times the normalizer. Where it is not 0 (no valid value, or the maximum is
+ * -inf or NaN), the masked row itself. `out` may be `in`. */
+static void softmax_prefix(const float *in, float *out, long m, long valid) {
+    if (valid > m) valid = m;
+    float maximum = valid > 0 ? row_maximum(in, valid) : -INFINITY;
+    if (valid < 1 || exp_like_mlx(-FLT_MAX - maximum) != 0.0f) {
+        if (out != in) memcpy(out, in, sizeof(float) * (valid > 0 ? valid : 0));
+        for (long j = valid > 0 ? valid : 0; j < m; j++) out[j] = -FLT_MAX;
+        softmax_row(out, out, m);
+        return;
+    }
+    for (long j = 0; j < valid; j++) out[j] = exp_like_mlx(in[j] - maximum);
+    float normalizer = 0.0f;
+    for (long j = 0; j < valid; j++) normalizer = normalizer + out[j];
+    normalizer = 1 / normalizer;
+    for (long j = 0; j < valid; j++) out[j] = out[j] * normalizer;
+    float masked = 0.0f * normalizer;
+    for (long j = valid; j < m; j++) out[j] = masked;
+}
+
 struct span {
     const float *in;
     float *out;
     long first, last, m;
-    int kind; /* 0: softmax (out: rows x m), 1: logsumexp (out: rows) */
+    int kind;  /* 0: softmax (out: rows x m), 1: logsumexp (out: rows), 2: causal softmax */
+    long length, offset;  /* kind 2: queries a block of rows, and the first one's position */
 };
 
 static void *run_span(void *arg) {
@@ -101,6 +127,9 @@ static void *run_span(void *arg) {
     if (s->kind == 0) {
         for (long i = s->first; i < s->last; i++)
             softmax_row(s->in + i * s->m, s->out + i * s->m, s->m);
+    } else if (s->kind == 2) {
+        for (long i = s->first; i < s->last; i++)
+            softmax_prefix(s->in + i * s->m, s->out + i * s->m, s->m, s->offset + i % s->length + 1);
     } else {
         float scratch[1024];
         for (long i = s->first; i < s->last; i++) s->out[i] = logsumexp_row(s->in + i * s->m, scratch, s->m);
@@ -110,11 +139,12 @@ static void *run_span(void *arg) {
 
 /* A row kernel over a contiguous rows x m array, on up to `threads` threads
  * (rows are independent, so the split changes no bit). */
-static void run_rows(const float *in, float *out, long rows, long m, int threads, int kind) {
+static void run_rows(const float *in, float *out, long rows, long m, int threads, int kind,
+                     long length, long offset) {
     enum { MAX_THREADS = 16 };
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 2 || rows < 2) {
-        struct span all = {in, out, 0, rows, m, kind};
+        struct span all = {in, out, 0, rows, m, kind, length, offset};
         run_span(&all);
         return;
     }
@@ -123,7 +153,8 @@ static void run_rows(const float *in, float *out, long rows, long m, int threads
     int running[MAX_THREADS] = {0};
     struct span spans[MAX_THREADS];
     for (int t = 0; t < threads; t++) {
-        spans[t] = (struct span){in, out, rows * t / threads, rows * (t + 1) / threads, m, kind};
+        spans[t] = (struct span){in, out, rows * t / threads, rows * (t + 1) / threads, m, kind,
+                                 length, offset};
         running[t] = t < threads - 1 && pthread_create(&ids[t], NULL, run_span, &spans[t]) == 0;
         if (!running[t]) run_span(&spans[t]);
     }
@@ -133,12 +164,20 @@ static void run_rows(const float *in, float *out, long rows, long m, int threads
 
 /* Softmax over the last axis (mlx's precise softmax). */
 void softmax_rows(const float *in, float *out, long rows, long m, int threads) {
-    run_rows(in, out, rows, m, threads, 0);
+    run_rows(in, out, rows, m, threads, 0, 1, 0);
+}
+
+/* mlx's attention's causal mask and softmax: rows in blocks of `length`
+ * queries, query t of a block at position offset + t, seeing keys 0 to there.
+ * `out` may be `in`. */
+void softmax_causal_rows(const float *in, float *out, long rows, long m, long length,
+                         long offset, int threads) {
+    run_rows(in, out, rows, m, threads, 2, length, offset);
 }
 
 /* Logsumexp over the last axis, one float a row (mlx's logsumexp). */
 void logsumexp_rows(const float *in, float *out, long rows, long m, int threads) {
-    run_rows(in, out, rows, m, threads, 1);
+    run_rows(in, out, rows, m, threads, 1, 1, 0);
 }
 
 /* mlx-lm's quantized attention (quantized_matmul of the scaled queries
