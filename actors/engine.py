@@ -44,8 +44,17 @@ from .request import Prompt, Request, Result
 from .row import Cancel, Phase, Row, RowView, SessionView, sessions, tree, view
 from .serial import Serial
 from .settings import EngineSettings
-from .stats import CompiledFigures, Count, KvPrecision, Metric, Mode, Stats, StatsSnapshot
-from .step import fused
+from .stats import (
+    CompiledFigures,
+    Count,
+    KvPrecision,
+    Metric,
+    Mode,
+    PackedFigures,
+    Stats,
+    StatsSnapshot,
+)
+from .step import fused, packed
 from .step.drafting import DraftModel
 from .step.verify import Speculation
 from .stream import RequestStream
@@ -193,10 +202,14 @@ class Engine:
     def stats(self) -> StatsSnapshot:
         snapshot = self.stats_actor.snapshot()
         figures = fused.figures_of(self.model)
-        if figures is None:
-            return snapshot
-        compiled = CompiledFigures(figures.modules, figures.compiled, figures.plain, figures.traces)
-        return attrs.evolve(snapshot, compiled=compiled)
+        if figures is not None:
+            snapshot = attrs.evolve(snapshot, compiled=CompiledFigures(
+                figures.modules, figures.compiled, figures.plain, figures.traces))  # fmt: skip
+        weights = packed.figures_of(self.model)
+        if weights is not None:
+            snapshot = attrs.evolve(snapshot, packed=PackedFigures(
+                weights.modules, weights.bytes, weights.packed, weights.plain))  # fmt: skip
+        return snapshot
 
     @property
     def kv_budget(self) -> int | None:
@@ -375,6 +388,7 @@ async def _load(
     loaded, tokenizer, info = await gpu.call_loading(
         load_model, model, settings.dtype, group, settings.ragged_attention,
         settings.cpu_softmax, settings.trust_remote_code, settings.kv, settings.compile,
+        settings.packed_weights,
     )  # fmt: skip
     if sharded and group.rank() != 0:
         await gpu.call_here(follow, loaded, group)
@@ -391,6 +405,7 @@ async def _load(
         draft, drafts = await gpu.call_loading(
             load_draft, settings.draft_model, settings.dtype, tokenizer, info,
             settings.ragged_attention, settings.cpu_softmax, settings.compile,
+            settings.packed_weights,
         )  # fmt: skip
         # a row's budget holds its draft KV too (whether or not it drafts)
         info = attrs.evolve(

@@ -255,6 +255,14 @@ class EngineSettings:
         "where it was measured to pay (1.04-1.19x a forward), off elsewhere, where those "
         "are single kernels already",
     )  # fmt: skip
+    packed_weights: bool = setting(
+        True, validator=_boolean, parse=_on_off, shown="on",
+        help="decode steps multiply float32 weights from a copy packed once at load, in a "
+        "small C++ mlx extension built on first use, with OpenBLAS's own arithmetic: the "
+        "same bits, checked per weight shape and row count at load (actors/step/packed.py); "
+        "a second copy of those weights in memory. Where the bits differ (another BLAS or "
+        "CPU), or off: mlx's matmul",
+    )  # fmt: skip
     speculative: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",
         help="speculative decoding in the continuous batch: rows draft tokens by n-gram "

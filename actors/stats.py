@@ -296,6 +296,22 @@ class CompiledFigures:
 
 
 @attrs.frozen
+class PackedFigures:
+    """The products read from packed weights (``--packed-weights``; ``step.packed``)."""
+
+    modules: int  # the model's products with a packed copy of their weight
+    bytes: int  # those copies' bytes
+    calls: int  # calls that ran from the panels (a decode step's few rows)
+    plain_calls: int  # calls on mlx's matmul: prefill chunks, row counts not routed
+
+    @property
+    def share(self) -> float:
+        """The share of those products' calls that ran from the panels."""
+        calls = self.calls + self.plain_calls
+        return self.calls / calls if calls else 0.0
+
+
+@attrs.frozen
 class StatsSnapshot:
     """What ``engine.stats()`` returns."""
 
@@ -368,6 +384,7 @@ class StatsSnapshot:
     queue_wait: HistogramSnapshot
     step_time: HistogramSnapshot
     compiled: CompiledFigures | None = None  # None: --compile off
+    packed: PackedFigures | None = None  # None: --packed-weights off, or nothing routed
 
     @property
     def batch_kv_bytes_per_token(self) -> float | None:

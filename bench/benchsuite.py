@@ -1200,7 +1200,8 @@ def speculative(
 ) -> None:
     """The edit workload and natural chat at 1 and 8 clients: ours (the
     defaults), ours with ``--speculative off``, ``--cpu-softmax off`` and
-    ``--compile off``, ``mlx_lm.server`` and the ``peers``, one server alive at a time. With
+    ``--compile off``, ``--packed-weights off``, ``mlx_lm.server`` and the ``peers``, one
+    server alive at a time. With
     ``rounds`` above 1 the servers take turns that many times, in reverse order
     every other round (this VM drifts by up to 20% over minutes: in one order,
     the side that runs last takes the drift), and each figure is the mean over
@@ -1218,6 +1219,7 @@ def speculative(
             "ours, speculation off": both_servers(model, "--speculative", "off")[0],
             "ours, mlx's softmax": both_servers(model, "--cpu-softmax", "off")[0],
             "ours, compile off": both_servers(model, "--compile", "off")[0],
+            "ours, packed off": both_servers(model, "--packed-weights", "off")[0],
             "ours": both_servers(model)[0],
             **{p: peer_server(p, model) for p in peers},
         }  # fmt: skip
@@ -1252,13 +1254,14 @@ def speculative(
             ours, off = got["ours"][key], got["ours, speculation off"][key]
             slow = got["ours, mlx's softmax"][key]
             plain = got["ours, compile off"][key]
+            unpacked = got["ours, packed off"][key]
             spread = ""
             if rounds > 1:
                 spread = " | " + ", ".join(
                     f"{o['tps'] / b['tps']:.2f}x"
                     for o, b in zip(runs["ours"][key], runs["mlx_lm.server"][key], strict=True)
                 )
-            sides_here = (off, slow, plain, ours, *(got[p][key] for p in peers))
+            sides_here = (off, slow, plain, unpacked, ours, *(got[p][key] for p in peers))
             rate = " | ".join(f"{r['tps']:.1f} ({r['tps'] / base[key]['tps']:.2f}x)"
                               for r in sides_here)  # fmt: skip
             rows.append(
@@ -1291,11 +1294,12 @@ def speculative(
         f"to mlx_lm.server's.{rounds_note}{peers_note}",
         "",
         "| model | load | clients | mlx_lm.server tok/s | ours, speculation off | ours, "
-        "mlx's softmax (`--cpu-softmax off`) | ours, `--compile off` | ours (defaults) | "
+        "mlx's softmax (`--cpu-softmax off`) | ours, `--compile off` | ours, "
+        "`--packed-weights off` | ours (defaults) | "
         + "".join(f"{p} | " for p in peers)
         + "tokens per step (row) | drafts kept / drafted | same text |"
         + (" rounds |" if rounds > 1 else ""),
-        "| --- " * (11 + len(peers)) + "|" + (" --- |" if rounds > 1 else ""),
+        "| --- " * (12 + len(peers)) + "|" + (" --- |" if rounds > 1 else ""),
         *rows,
     ])  # fmt: skip
     whole = set(loads) == set(SPEC_LOADS)

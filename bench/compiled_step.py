@@ -163,17 +163,25 @@ def mlx_batch(model, prompts: list[list[int]], n: int, stop) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+# The engine's sides: --compile off and on (--packed-weights off), and the
+# defaults (both on).
+SIDES = ("off", "on", "packed")
+
+
 def engine_run(
     model, tokenizer, prompts, n: int, compile: str, dtype, together: bool = True,
     params=None, **options,
 ) -> dict:  # fmt: skip
-    """The engine (``--compile`` as given, speculation off, ``options`` as
-    settings) on ``prompts`` at once (``together``) or one after another:
+    """The engine (``--compile`` as given, or ``packed``: compile on with
+    ``--packed-weights``, the defaults; speculation off, ``options`` as settings)
+    on ``prompts`` at once (``together``) or one after another:
     aggregate tok/s start to end, one row's decode tok/s, the tokens, the
     seconds ``open_engine`` took (its load and probe forward: where the compiled
     blocks' kernels are built), and the mean ms of a decode step's GPU call
     against the wall time a step took (the rest is the event loop's)."""
     params = params or (lambda i: {"temperature": 0.0})
+    options.setdefault("packed_weights", compile == "packed")
+    compile = "on" if compile == "packed" else compile
     import trio
     from mlx_nursery.actors import open_engine
 
@@ -209,7 +217,15 @@ def engine_run(
             "share": compiled.share if compiled else 0.0,
         }
 
-    return trio.run(go)
+    try:
+        return trio.run(go)
+    finally:
+        # The engine swaps classes on the model it is given: mlx-lm's own runs on
+        # the same model object must find mlx-lm's modules again.
+        from mlx_nursery.actors.step import fused, packed
+
+        fused.uninstall(model)
+        packed.uninstall(model)
 
 
 def random_model(config_dir: Path, dtype: str, seed: int = 47) -> Path:
@@ -260,14 +276,14 @@ def measure(model, tokenizer, label: str, dtype: str, n: int, rounds: int,
 
     stop = set(tokenizer.eos_token_ids)
     prompt = chat(tokenizer, PROMPT)
-    one = {"mlx": [], "off": [], "on": [], "fixed": [], "fixed_c": []}
-    equal = {"off": True, "on": True, "fixed": True, "fixed_c": True}
-    opened = {"off": [], "on": []}
+    one = {"mlx": [], "off": [], "on": [], "packed": [], "fixed": [], "fixed_c": []}
+    equal = {"off": True, "on": True, "packed": True, "fixed": True, "fixed_c": True}
+    opened = {"off": [], "on": [], "packed": []}
     split = []  # (GPU call ms, wall ms) a step, compile off
     for _ in range(warmup + rounds):
         want, rate = mlx_lm_decode(model, mx.array(prompt), n, stop)
         one["mlx"].append(rate)
-        for side in ("off", "on"):
+        for side in SIDES:
             r = engine_run(model, tokenizer, [prompt], n, side, dtype)
             one[side].append(r["row_rate"])
             opened[side].append(r["opened"])
@@ -283,10 +299,10 @@ def measure(model, tokenizer, label: str, dtype: str, n: int, rounds: int,
              "split": min(split[warmup:], key=lambda x: x[1])}]  # fmt: skip
     for b in (4, 8):
         prompts = [chat(tokenizer, q) for q in QUESTIONS[:b]]
-        agg = {"mlx": [], "off": [], "on": []}
+        agg = {"mlx": [], "off": [], "on": [], "packed": []}
         for _ in range(warmup + rounds):
             agg["mlx"].append(mlx_batch(model, prompts, n, stop))
-            for side in ("off", "on"):
+            for side in SIDES:
                 agg[side].append(engine_run(model, tokenizer, prompts, n, side, dtype)["rate"])
         rows.append({"label": label, "dtype": dtype, "B": b, **medians(agg, warmup)})
         print(rows[-1], flush=True)
@@ -304,14 +320,14 @@ def extras(model, tokenizer, label: str, dtype: str, n: int, rounds: int, warmup
         for bits in ("float", "8", "4"):
             kv = {} if bits == "float" else {"kv_bits": int(bits)}
             try:
-                r = engine_run(model, tokenizer, prompts, n, "off", dtype, **kv)
+                r = engine_run(model, tokenizer, prompts, n, "packed", dtype, **kv)
                 runs[bits].append(r["rate"])
             except Exception as exc:  # refused where mlx cannot run quantized attention
                 print(f"{bits} KV failed: {exc!r}"[:400], flush=True)
                 runs[bits].append(float("nan"))
         same = [chat(tokenizer, PROMPT)] * 4
         for side, together in (("together", True), ("apart", False)):
-            r = engine_run(model, tokenizer, same, n, "off", dtype, together,
+            r = engine_run(model, tokenizer, same, n, "packed", dtype, together,
                            params=lambda i: {"temperature": 1.0, "seed": 7 + i})  # fmt: skip
             runs[side].append(r["rate"])
     out = {"label": label, "dtype": dtype, **medians(runs, warmup)}
@@ -322,7 +338,8 @@ def extras(model, tokenizer, label: str, dtype: str, n: int, rounds: int, warmup
 def extras_table(rows: list[dict]) -> list[str]:
     lines = [
         "",
-        "The engine (compile off, speculation off) with quantized KV at B = 8, and one "
+        "The engine (the defaults: compile and packed weights on; speculation off) with "
+        "quantized KV at B = 8, and one "
         "prompt's 4 sampled choices at once (forked from one prefill) against the same 4 "
         "requests one after another (tok/s):",
         "",
@@ -348,8 +365,9 @@ def table(rows: list[dict], n: int, rounds: int, backend: str) -> str:
         "`BatchGenerator`. Tokens equal: the B=1 tokens against `generate_step`'s.",
         "",
         "| model | dtype | B | mlx-lm | engine, compile off | engine, compile on "
-        "| on / mlx-lm | on / off | fixed-capacity forward, plain / `mx.compile` | tokens equal |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| engine, compile on + packed weights (defaults) | defaults / mlx-lm | on / off "
+        "| packed / on | fixed-capacity forward, plain / `mx.compile` | tokens equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         probe, same = "-", "-"
@@ -359,8 +377,8 @@ def table(rows: list[dict], n: int, rounds: int, backend: str) -> str:
         b = f"1 ({r['n']})" if r["B"] == 1 else str(r["B"])
         lines.append(
             f"| {r['label']} | {r['dtype']} | {b} | {r['mlx']:.1f} | {r['off']:.1f} | "
-            f"{r['on']:.1f} | {r['on'] / r['mlx']:.2f}x | {r['on'] / r['off']:.2f}x | "
-            f"{probe} | {same} |"
+            f"{r['on']:.1f} | {r['packed']:.1f} | {r['packed'] / r['mlx']:.2f}x | "
+            f"{r['on'] / r['off']:.2f}x | {r['packed'] / r['on']:.2f}x | {probe} | {same} |"
         )
     opened = [r for r in rows if "opened" in r]
     lines += ["", "Where the engine's B = 1 step goes (compile off): its GPU call, of the "
@@ -368,9 +386,11 @@ def table(rows: list[dict], n: int, rounds: int, backend: str) -> str:
               "; ".join(f"{r['label']} {r['dtype']}: {r['split'][0]:.2f} of "
                         f"{r['split'][1]:.2f} ms" for r in opened)]  # fmt: skip
     lines += ["", "Engine open (load, probe forward; the compiled blocks' kernels are built "
-              "here), fastest of the rounds: " + "; ".join(
+              "here; with packed weights, the checks and the packing too), fastest of the "
+              "rounds: " + "; ".join(
                   f"{r['label']} {r['dtype']}: off {r['opened']['off']:.2f} s, on "
-                  f"{r['opened']['on']:.2f} s" for r in opened)]  # fmt: skip
+                  f"{r['opened']['on']:.2f} s, packed {r['opened']['packed']:.2f} s"
+                  for r in opened)]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -209,6 +209,8 @@ def stats_json(s: StatsSnapshot) -> dict:
         body["kv_precision"] = {**attrs.asdict(s.kv_precision), "name": s.kv_precision.name}
     if s.compiled is not None:
         body["compiled"] = {**attrs.asdict(s.compiled), "share": s.compiled.share}
+    if s.packed is not None:
+        body["packed"] = {**attrs.asdict(s.packed), "share": s.packed.share}
     body["batch"] = {
         k: getattr(s, k)
         for k in (

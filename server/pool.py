@@ -601,7 +601,10 @@ def estimate(ref: Any, settings: EngineSettings) -> int:
             (size,) = struct.unpack("<Q", f.read(8))
             tensors.update(json.loads(f.read(size)))
     tensors.pop("__metadata__", None)
-    weights = weights_bytes(tensors, config.get("quantization") or {}, dtype)
+    quantization = config.get("quantization") or {}
+    weights = weights_bytes(tensors, quantization, dtype)
+    if settings.packed_weights:
+        weights += packed_bytes(tensors, quantization, dtype)
     kv = settings.kv_budget if isinstance(settings.kv_budget, int) else 0
     return weights + kv + workspace(Shape.of(config), settings.prefill_step_size, settings.batch)
 
@@ -620,14 +623,40 @@ def weights_bytes(tensors: Mapping[str, dict], quantization: Mapping[str, Any],
             continue  # folded into the dequantized weight
         n = math.prod(t["shape"])
         if packed and part == "weight":
-            layer = quantization.get(base)
-            bits = (layer or {}).get("bits") if isinstance(layer, Mapping) else None
-            n = n * 32 // (bits or quantization.get("bits") or 4)
+            n = n * 32 // _bits(quantization, base)
             total += n * 4
             continue
         width = cast if cast and t["dtype"] in _FLOATS else _DTYPE_BYTES.get(t["dtype"], 4)
         total += n * width
     return total
+
+
+def packed_bytes(tensors: Mapping[str, dict], quantization: Mapping[str, Any],
+                 dtype: str | None) -> int:  # fmt: skip
+    """The packed copies ``--packed-weights`` will add at load (``step.packed``):
+    the model's 2-D float32 weights (quantized ones dequantized to float32)."""
+    from mlx_nursery.actors.step import packed
+
+    shapes = {}
+    for name, t in tensors.items():
+        base, _, part = name.rpartition(".")
+        if part != "weight" or len(t["shape"]) != 2:
+            continue
+        n, k = t["shape"]
+        if f"{base}.scales" in tensors:  # packed words: dequantized where cast to float32
+            if dtype != "float32":
+                continue
+            k = k * 32 // _bits(quantization, base)
+        elif (dtype or t["dtype"].lower()) not in ("float32", "f32"):
+            continue
+        shapes[base] = (n, k, f"{base}.bias" in tensors)
+    return packed.estimate(shapes)
+
+
+def _bits(quantization: Mapping[str, Any], base: str) -> int:
+    layer = quantization.get(base)
+    bits = (layer or {}).get("bits") if isinstance(layer, Mapping) else None
+    return bits or quantization.get("bits") or 4
 
 
 def auto_memory_budget() -> int:

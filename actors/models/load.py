@@ -12,7 +12,7 @@ from ..budget import LayerCost, probe
 from ..errors import InvalidRequest
 from ..families import family_of
 from ..ranks import SharedInputs, sharded_load
-from ..step import fused, ragged
+from ..step import fused, packed, ragged
 from ..step.drafting import DraftModel
 from ..step.quantized import runs_here
 from .registry import resolve, short_id
@@ -44,6 +44,7 @@ def load_model(
     trust_remote_code: bool = False,
     kv: Any = None,
     compile: str = "off",
+    packed_weights: bool = False,
 ) -> tuple[Any, Any, ModelInfo]:
     """Load (a directory, hub id or GGUF file; or take a ``(model, tokenizer)``
     pair), cast (see :func:`cast`), and inspect the model's caches.
@@ -54,7 +55,9 @@ def load_model(
     weight bytes) are then one rank's share. ``kv`` (a ``KvBits``): the KV costs
     count quantized bytes, and a model whose heads its groups do not divide is
     refused. ``compile`` (``--compile``: auto, on, off): the decode steps' norms and
-    RoPE under ``mx.compile`` (``step.fused``)."""
+    RoPE under ``mx.compile`` (``step.fused``). ``packed_weights``
+    (``--packed-weights``): decode-step products from packed weights
+    (``step.packed``), their bytes counted in the weights'."""
     from mlx.utils import tree_flatten
     from mlx_lm import load
     from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -79,6 +82,8 @@ def load_model(
         fused.install(model)
     else:
         fused.uninstall(model)  # a model object given again, with compile off
+    packed.uninstall(model)  # a model object given again: packed anew, or not
+    packing = packed.install(model) if packed_weights else None
     if sharded:
         model = SharedInputs(model, group)
     caches = make_prompt_cache(model)
@@ -93,7 +98,8 @@ def load_model(
         vocab_size=getattr(args, "vocab_size", None),
         cache_kinds=tuple(type(c).__name__ for c in caches),
         kv_costs=probe(model, kv),
-        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        + (packing.bytes if packing else 0),
         think=thinking_markers(tokenizer),
     )
     if kv is not None:
@@ -137,6 +143,7 @@ def load_draft(
     ragged_attention: bool = True,
     cpu_softmax: bool = True,
     compile: str = "off",
+    packed_weights: bool = False,
 ) -> tuple[DraftModel, ModelInfo]:
     """Load a draft model for ``--draft-model`` as the target was loaded, and
     check that it can draft for it: the same vocabulary (token for token) and
@@ -145,7 +152,8 @@ def load_draft(
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     model, draft_tokenizer, draft_info = load_model(
-        path, dtype, None, ragged_attention, cpu_softmax, compile=compile
+        path, dtype, None, ragged_attention, cpu_softmax, compile=compile,
+        packed_weights=packed_weights,
     )
     ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if ours != theirs:
