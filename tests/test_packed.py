@@ -39,10 +39,12 @@ def test_packed_products_are_mlxs_bits_under_openblas():
     eight rows on SmolLM2-sized shapes, and a decode step's logits at 1, 4 and 8
     rows are the same bits with them and without."""
     lib = find_openblas()
-    if lib is None or packed.module() is None:
-        pytest.skip("needs OpenBLAS, a C++ compiler, Python's headers and AVX-512")
+    if lib is None:
+        pytest.skip("needs OpenBLAS")
     script = MODEL + textwrap.dedent("""
         from mlx_nursery.actors.step import packed
+        if packed.module() is None:
+            raise SystemExit("unavailable")
         plain = [decode(r) for r in (1, 4, 8)]
         figures = packed.install(model)
         assert figures is not None and figures.modules == 15, figures  # 7 a layer + head
@@ -58,12 +60,14 @@ def test_packed_products_are_mlxs_bits_under_openblas():
     env = dict(os.environ, LD_PRELOAD=lib)
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=300)  # fmt: skip
+    if "unavailable" in run.stderr:
+        pytest.skip("needs a C++ compiler, Python's headers and an AVX-512 CPU")
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
 
 
 def test_nothing_is_packed_where_the_bits_would_differ():
-    """Under mlx's bundled BLAS (this suite's) no row count gives OpenBLAS's
-    arithmetic: the model keeps mlx's matmul, module for module."""
+    """Under mlx's bundled BLAS (this suite's) the kernel is not even built: the
+    model keeps mlx's matmul, module for module."""
     if "openblas" in os.environ.get("LD_PRELOAD", ""):
         pytest.skip("OpenBLAS is preloaded here")
     layer = nn.Linear(576, 1536, bias=False)

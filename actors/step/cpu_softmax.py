@@ -90,31 +90,38 @@ def _cpu_key() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+def built(name: str, parts: list[bytes], command: Any, instead: str,
+          timeout: int = 120) -> Path | None:  # fmt: skip
+    """The library ``name`` (``stem.suffix``) built once into :func:`cache_dir` by
+    ``command(output_path)``, keyed by ``parts`` and this CPU; None where the
+    build fails (logged, saying ``instead``: what runs in its place)."""
+    key = hashlib.sha256(b"\0".join([*parts, _cpu_key().encode()])).hexdigest()[:16]
+    stem, _, suffix = name.partition(".")
+    target = cache_dir() / f"{stem}-{key}.{suffix}"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        result = subprocess.run(command(out), capture_output=True, text=True, timeout=timeout)
+        if result.returncode != 0:
+            log.warning("building %s failed (%s): %s", name, result.stderr.strip()[-300:],
+                        instead)  # fmt: skip
+            return None
+        os.replace(out, target)  # atomic: a concurrent builder finds a whole file
+    return target
+
+
 def _build() -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("no C compiler: CPU attention keeps mlx's own softmax")
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_key().encode()])
-    ).hexdigest()[:16]
-    target = cache_dir() / f"cpu_softmax-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm", "-lpthread"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        if result.returncode != 0:
-            log.warning("building %s failed (%s): CPU attention keeps mlx's own softmax",
-                        SOURCE.name, result.stderr.strip()[-300:])  # fmt: skip
-            return None
-        os.replace(built, target)  # atomic: a concurrent builder finds a whole file
-    return target
+    return built(
+        "cpu_softmax.so", [SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode()],
+        lambda out: [compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm", "-lpthread"],
+        "CPU attention keeps mlx's own softmax",
+    )  # fmt: skip
 
 
 def _agrees(lib: ctypes.CDLL) -> bool:

@@ -23,7 +23,6 @@ counted in the model's weight bytes. Runs on the GPU thread.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import os
@@ -32,7 +31,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,7 +40,7 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cpu_softmax import _cpu_key, cache_dir
+from .cpu_softmax import _cpu_key, built
 
 log = logging.getLogger("mlx_nursery.packed")
 
@@ -72,31 +70,29 @@ def _build() -> Path | None:
     except ImportError:
         return None
     nb = Path(nanobind.__file__).parent
-    mlx_dir = Path(mx.__file__).parent
-    sources = [SOURCE, nb / "src/nb_combined.cpp"]
-    key = hashlib.sha256(b"\0".join([
-        SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_key().encode(),
-        mx.__version__.encode(), nanobind.__version__.encode(), str(include).encode(),
-    ])).hexdigest()[:16]  # fmt: skip
-    target = cache_dir() / f"_packed-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        command = [
+    lib = Path(mx.__file__).parent
+
+    def command(out: Path) -> list[str]:
+        return [
             compiler, *FLAGS, f"-I{include}", f"-I{nb / 'include'}",
-            f"-I{nb / 'ext/robin_map/include'}", f"-I{mlx_dir / 'include'}",
-            *map(str, sources), f"-L{mlx_dir / 'lib'}", "-lmlx",
-            f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(built),
+            f"-I{nb / 'ext/robin_map/include'}", f"-I{lib / 'include'}", str(SOURCE),
+            str(nb / "src/nb_combined.cpp"), f"-L{lib / 'lib'}", "-lmlx",
+            f"-Wl,-rpath,{lib / 'lib'}", "-o", str(out),
         ]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            log.warning("building %s failed (%s): decode products keep mlx's matmul",
-                        SOURCE.name, result.stderr.strip()[-300:])  # fmt: skip
-            return None
-        os.replace(built, target)  # atomic: a concurrent builder finds a whole file
-    return target
+
+    parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
+             mx.__version__.encode(), nanobind.__version__.encode(),
+             str(include).encode()]  # fmt: skip
+    name = "_packed" + sysconfig.get_config_var("EXT_SUFFIX")
+    return built(name, parts, command, "decode products keep mlx's matmul", timeout=300)
+
+
+def _openblas() -> bool:
+    """Whether this process runs OpenBLAS (the arithmetic the kernel reproduces)."""
+    try:
+        return "libopenblas" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
 
 
 def module() -> Any:
@@ -108,8 +104,8 @@ def module() -> Any:
         _tried = True
         if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
             return None
-        if "avx512f" not in _cpu_key().split():
-            return None  # the kernel is written for AVX-512
+        if "avx512f" not in _cpu_key().split() or not _openblas():
+            return None  # the kernel is written for AVX-512, and its sums are OpenBLAS's
         try:
             path = _build()
             if path is None:
