@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <atomic>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -90,12 +91,14 @@ void run(const Product &j, long first, long last) {
 
 /* One helper thread takes half the panels of a large product: it spins a
  * little for the next one (a decode step's products come back to back), then
- * sleeps. */
+ * sleeps. It serves one product at a time: a product that comes while it is
+ * busy (another model's stream, in the same process) runs whole where it came. */
 class Helper {
  public:
   void split(const Product &j) {
     long count = j.n / LANES;
-    if (count < 64) {
+    std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+    if (count < 64 || !lock.owns_lock()) {
       run(j, 0, count);
       return;
     }
@@ -131,7 +134,8 @@ class Helper {
       finished_.store(ticket, std::memory_order_release);
     }
   }
-  bool started_ = false;  // products run on one stream thread at a time
+  std::mutex busy_;
+  bool started_ = false;  // written under busy_
   Product job_{};
   long half_ = 0;
   std::atomic<long> posted_{0}, finished_{0};

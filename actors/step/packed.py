@@ -222,6 +222,12 @@ class PackedEmbedding(nn.Embedding):
 _PACKED = {nn.Linear: PackedLinear, nn.Embedding: PackedEmbedding}
 
 
+def _tied(names: Any) -> bool:
+    """Whether a model with these module names reads its head from its embedding
+    (mlx-lm's models name an untied head ``lm_head``)."""
+    return not any(name.split(".")[-1] == "lm_head" for name in names)
+
+
 def install(model: Any) -> Figures | None:
     """Pack the float32 weights of ``model``'s exact ``nn.Linear`` modules (and a
     tied head's embedding) that a decode step's rows can read with mlx's bits;
@@ -229,7 +235,7 @@ def install(model: Any) -> Figures | None:
     if mx.default_device().type != mx.DeviceType.cpu or module() is None:
         return None
     named = list(model.named_modules())
-    tied = not any(name.split(".")[-1] == "lm_head" for name, _ in named)
+    tied = _tied([name for name, _ in named])
     figures = Figures()
     for _, m in named:
         kind = type(m)
@@ -261,7 +267,7 @@ def estimate(weights: Mapping[str, tuple[int, int, bool]]) -> int:
     in the name) count only where no ``lm_head`` is there: a tied head."""
     if mx.default_device().type != mx.DeviceType.cpu or module() is None:
         return 0
-    tied = not any(name.split(".")[-1] == "lm_head" for name in weights)
+    tied = _tied(weights)
     total = 0
     for name, (n, k, bias) in weights.items():
         embedding = "embed" in name.split(".")[-1]
