@@ -208,7 +208,8 @@ class Engine:
         weights = packed.figures_of(self.model)
         if weights is not None:
             snapshot = attrs.evolve(snapshot, packed=PackedFigures(
-                weights.modules, weights.bytes, weights.packed, weights.plain))  # fmt: skip
+                weights.modules, weights.bytes, weights.packed, weights.small,
+                weights.plain))  # fmt: skip
         return snapshot
 
     @property

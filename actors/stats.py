@@ -302,13 +302,14 @@ class PackedFigures:
     modules: int  # the model's products with a packed copy of their weight
     bytes: int  # those copies' bytes
     calls: int  # calls that ran from the panels (a decode step's few rows)
+    small_calls: int  # calls with the small-matrix kernel's sums, the weight in place
     plain_calls: int  # calls on mlx's matmul: prefill chunks, row counts not routed
 
     @property
     def share(self) -> float:
-        """The share of those products' calls that ran from the panels."""
-        calls = self.calls + self.plain_calls
-        return self.calls / calls if calls else 0.0
+        """The share of those products' calls that ran in the extension."""
+        calls = self.calls + self.small_calls + self.plain_calls
+        return (self.calls + self.small_calls) / calls if calls else 0.0
 
 
 @attrs.frozen

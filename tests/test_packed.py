@@ -34,35 +34,51 @@ def decode(rows):
 """
 
 
-def test_packed_products_are_mlxs_bits_under_openblas():
-    """With OpenBLAS preloaded (as `serve` runs): the packed products serve one to
-    eight rows on SmolLM2-sized shapes, and a decode step's logits at 1, 4 and 8
-    rows are the same bits with them and without."""
+def _under_openblas(script: str) -> None:
+    """Run ``script`` in a child with OpenBLAS preloaded (as `serve` runs); it
+    prints "ok" when its checks hold."""
     lib = find_openblas()
     if lib is None:
         pytest.skip("needs OpenBLAS")
-    script = MODEL + textwrap.dedent("""
-        from mlx_nursery.actors.step import packed
-        if packed.module() is None:
-            raise SystemExit("unavailable")
-        plain = [decode(r) for r in (1, 4, 8)]
-        figures = packed.install(model)
-        assert figures is not None and figures.modules == 15, figures  # 7 a layer + head
-        got = [decode(r) for r in (1, 4, 8)]
-        for a, b in zip(plain, got):
-            assert mx.array_equal(a, b).item()
-        assert figures.packed > 0 and figures.plain > 0, figures  # decode and prefill
-        assert sorted(packed.routes(1536, 576, False)) == list(range(1, 9))
-        packed.uninstall(model)
-        assert type(model.model.layers[0].mlp.gate_proj).__name__ == "Linear"
-        print("ok")
-    """)
     env = dict(os.environ, LD_PRELOAD=lib)
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     if "unavailable" in run.stderr:
         pytest.skip("needs a C++ compiler, Python's headers and an AVX-512 CPU")
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
+
+
+def test_packed_products_are_mlxs_bits_under_openblas():
+    """With OpenBLAS preloaded (as `serve` runs): the packed products and the
+    small-matrix kernel's serve one to eight rows on SmolLM2-sized shapes, and a
+    decode step's logits at 1, 2, 4 and 8 rows are the same bits with them and
+    without."""
+    script = MODEL + textwrap.dedent("""
+        from mlx_nursery.actors.step import packed
+        if packed.module() is None:
+            raise SystemExit("unavailable")
+        plain = [decode(r) for r in (1, 2, 4, 8)]
+        figures = packed.install(model)
+        assert figures is not None and figures.modules == 15, figures  # 7 a layer + head
+        got = [decode(r) for r in (1, 2, 4, 8)]
+        for a, b in zip(plain, got):
+            assert mx.array_equal(a, b).item()
+        # decode steps from the panels and in place; prefill on mlx's matmul
+        assert figures.packed > 0 and figures.small > 0 and figures.plain > 0, figures
+        assert sorted(packed.routes(1536, 576, False)) == list(range(1, 9))
+        # OpenBLAS's small-matrix kernel takes q and o at one and two rows, k and v
+        # at up to six, down at one: those read the weight where it lies
+        small = {shape: sorted(r for r, route in packed.routes(*shape, False).items()
+                               if route == packed.SMALL)
+                 for shape in ((576, 576), (192, 576), (576, 1536), (1536, 576))}
+        assert small == {(576, 576): [1, 2], (192, 576): list(range(1, 7)),
+                         (576, 1536): [1], (1536, 576): []}, small
+        assert sorted(packed.routes(192, 576, False)) == list(range(1, 9))
+        packed.uninstall(model)
+        assert type(model.model.layers[0].mlp.gate_proj).__name__ == "Linear"
+        print("ok")
+    """)
+    _under_openblas(script)
 
 
 def test_nothing_is_packed_where_the_bits_would_differ():
@@ -84,3 +100,28 @@ def test_bounds_are_openblas_k_blocks():
     x = mx.arange(2 * 16 * 3, dtype=mx.float32).reshape(32, 3)
     p = packed.panels(x).reshape(2, 3, 16)
     assert mx.array_equal(p[1, 2], x[16:, 2]).item()
+
+
+def test_small_matrix_sums_match_openblas_on_odd_shapes():
+    """Where OpenBLAS's small-matrix kernel sums an output alone (outputs past a
+    multiple of four, a K past a multiple of sixteen, a bias), the extension's
+    sums are still mlx's bits, at every row count that kernel takes."""
+    script = textwrap.dedent("""
+        import mlx.core as mx
+        from mlx_nursery.actors.step import packed
+        ext = packed.module()
+        if ext is None:
+            raise SystemExit("unavailable")
+        for n, k in ((577, 100), (3, 40), (198, 57)):
+            w = mx.random.normal((n, k), key=mx.random.key(n))
+            b = mx.random.normal((n,), key=mx.random.key(k))
+            for rows in range(1, 9):
+                if n * rows > 1200:
+                    continue  # OpenBLAS's packing path: not this kernel's sums
+                x = mx.random.normal((rows, k), key=mx.random.key(rows))
+                assert mx.array_equal(x @ w.T, ext.small_matmul(x, w)).item(), (n, k, rows)
+                got = ext.small_matmul(x, w, b)
+                assert mx.array_equal(mx.addmm(b, x, w.T), got).item(), (n, k, rows)
+        print("ok")
+    """)
+    _under_openblas(script)

@@ -12,6 +12,14 @@
  * them, so each output is the same float; packed.py checks that per shape and
  * row count against mlx's matmul before a product is routed here.
  *
+ * The products OpenBLAS's small-matrix kernel takes instead (the transposed
+ * weight's "TN" kernel: outputs x rows <= 1,200 and M x N x K <= 10^6; at one
+ * row most of a small model's attention and down products) read the weight
+ * where it lies, one output at a time: sixteen lanes of fused multiply-adds
+ * over K, the lanes then summed in a fixed tree. That kernel runs on one
+ * thread; here the outputs are split with a helper thread, each output's sums
+ * unchanged (`small` below).
+ *
  * Built on first use by actors/step/packed.py with nanobind (the version whose
  * internals mlx's own module uses, so an mx.array passes as itself).
  */
@@ -39,15 +47,20 @@ namespace {
 
 constexpr long LANES = 16;  // outputs a panel
 constexpr long MAX_ROWS = 8;
+// A small-matrix product of at least this many weights splits its outputs with
+// the helper thread (on SmolLM2 at one row: all of q, k, v, o and down; k and v
+// gain least, about even).
+constexpr long SMALL_SPLIT = 1L << 16;
 
 struct Product {
-  const float *panels;  // [n / 16][k][16]
+  const float *panels;  // [n / 16][k][16], or the weight [n][k] where `small`
   const float *x;       // [m][k]
   const float *bias;    // [n] or null
   float *out;           // [m][n]
   long m, n, k;
   const long *bounds;  // the K blocks' edges, first 0, last k
   int blocks;
+  bool small;  // the small-matrix kernel's sums, from the weight in place
 };
 
 /* Panels [first, last) of one product: `P` panels at a time share each row's
@@ -83,22 +96,107 @@ void panels(const Product &j, long first, long last) {
   }
 }
 
+/* The small-matrix kernel's lane sum for four accumulators at once: each
+ * output is ((b0 + b1) + (b2 + b3)), where b_q is the sum of lanes 4q..4q+3 as
+ * (l0 + l1) + (l2 + l3). */
+inline __m128 tree4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512 ab_lo = _mm512_unpacklo_ps(a, b), ab_hi = _mm512_unpackhi_ps(a, b);
+  __m512 cd_lo = _mm512_unpacklo_ps(c, d), cd_hi = _mm512_unpackhi_ps(c, d);
+  __m512 l0 = _mm512_shuffle_ps(ab_lo, cd_lo, _MM_SHUFFLE(1, 0, 1, 0));
+  __m512 l1 = _mm512_shuffle_ps(ab_lo, cd_lo, _MM_SHUFFLE(3, 2, 3, 2));
+  __m512 l2 = _mm512_shuffle_ps(ab_hi, cd_hi, _MM_SHUFFLE(1, 0, 1, 0));
+  __m512 l3 = _mm512_shuffle_ps(ab_hi, cd_hi, _MM_SHUFFLE(3, 2, 3, 2));
+  __m512 s = _mm512_add_ps(_mm512_add_ps(l0, l1), _mm512_add_ps(l2, l3));
+  __m128 b0 = _mm512_extractf32x4_ps(s, 0), b1 = _mm512_extractf32x4_ps(s, 1);
+  __m128 b2 = _mm512_extractf32x4_ps(s, 2), b3 = _mm512_extractf32x4_ps(s, 3);
+  return _mm_add_ps(_mm_add_ps(b0, b1), _mm_add_ps(b2, b3));
+}
+
+/* Outputs [first, last) (whole groups of four, the last group possibly short)
+ * of a small-matrix product, `R` rows from `row`: lane l of an output's
+ * accumulator adds w[k] * x[k] for k = l, l + 16, ... in order, the last
+ * partial 16 masked. The four-way tree sums an output where the kernel groups
+ * it in fours (outputs below n rounded down to 4, or rows below m rounded down
+ * to 4), the compiler's sixteen-lane reduction elsewhere. */
+template <int R>
+void small_rows(const Product &j, long first, long last, long row) {
+  const long k16 = j.k & ~15L, n4 = j.n & ~3L, m4 = j.m & ~3L;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (j.k - k16)) - 1);
+  for (long i = first; i < last; i += 4) {
+    long outs = last - i < 4 ? last - i : 4;
+    __m512 acc[4][R];
+    for (int o = 0; o < 4; o++)
+      for (int r = 0; r < R; r++) acc[o][r] = _mm512_setzero_ps();
+    const float *w = j.panels + i * j.k;
+    for (long kk = 0; kk < k16; kk += 16) {
+      __m512 xv[R];
+      for (int r = 0; r < R; r++) xv[r] = _mm512_loadu_ps(j.x + (row + r) * j.k + kk);
+      for (int o = 0; o < outs; o++) {
+        __m512 wv = _mm512_loadu_ps(w + o * j.k + kk);
+        for (int r = 0; r < R; r++) acc[o][r] = _mm512_fmadd_ps(wv, xv[r], acc[o][r]);
+      }
+    }
+    if (tail) {
+      __m512 xv[R];
+      for (int r = 0; r < R; r++) xv[r] = _mm512_maskz_loadu_ps(tail, j.x + (row + r) * j.k + k16);
+      for (int o = 0; o < outs; o++) {
+        __m512 wv = _mm512_maskz_loadu_ps(tail, w + o * j.k + k16);
+        for (int r = 0; r < R; r++) acc[o][r] = _mm512_fmadd_ps(wv, xv[r], acc[o][r]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      float *out = j.out + (row + r) * j.n + i;
+      float sums[4];
+      if (i < n4) {
+        _mm_storeu_ps(sums, tree4(acc[0][r], acc[1][r], acc[2][r], acc[3][r]));
+      } else {
+        for (int o = 0; o < outs; o++)
+          sums[o] = row + r < m4 ? _mm_cvtss_f32(tree4(acc[o][r], acc[o][r], acc[o][r], acc[o][r]))
+                                 : _mm512_reduce_add_ps(acc[o][r]);
+      }
+      for (int o = 0; o < outs; o++) out[o] = j.bias != nullptr ? sums[o] + j.bias[i + o] : sums[o];
+    }
+  }
+}
+
+void small(const Product &j, long first, long last) {
+  long row = 0;
+  for (; row + 4 <= j.m; row += 4) small_rows<4>(j, first, last, row);
+  switch (j.m - row) {
+    case 3: small_rows<3>(j, first, last, row); break;
+    case 2: small_rows<2>(j, first, last, row); break;
+    case 1: small_rows<1>(j, first, last, row); break;
+  }
+}
+
+/* A product's work comes in units: panels of 16 outputs, or groups of four
+ * outputs for the small-matrix kernel. */
+long units(const Product &j) { return j.small ? (j.n + 3) / 4 : j.n / LANES; }
+
 void run(const Product &j, long first, long last) {
+  if (j.small) {
+    small(j, first * 4, last * 4 < j.n ? last * 4 : j.n);
+    return;
+  }
   long pairs = j.m > 2 ? (last - first) / 2 * 2 : 0;
   panels<2>(j, first, first + pairs);
   panels<1>(j, first + pairs, last);
 }
 
-/* One helper thread takes half the panels of a large product: it spins a
+bool worth_splitting(const Product &j) {
+  return j.small ? j.n * j.k >= SMALL_SPLIT : j.n / LANES >= 64;
+}
+
+/* One helper thread takes half the units of a large product: it spins a
  * little for the next one (a decode step's products come back to back), then
  * sleeps. It serves one product at a time: a product that comes while it is
  * busy (another model's stream, in the same process) runs whole where it came. */
 class Helper {
  public:
   void split(const Product &j) {
-    long count = j.n / LANES;
+    long count = units(j);
     std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
-    if (count < 64 || !lock.owns_lock()) {
+    if (!worth_splitting(j) || !lock.owns_lock()) {
       run(j, 0, count);
       return;
     }
@@ -130,7 +228,7 @@ class Helper {
           posted_.wait(seen, std::memory_order_acquire);
       }
       seen = ticket;
-      run(job_, half_, job_.n / LANES);
+      run(job_, half_, units(job_));
       finished_.store(ticket, std::memory_order_release);
     }
   }
@@ -148,8 +246,8 @@ Helper &helper() {
 
 class PackedMatmul : public mx::Primitive {
  public:
-  PackedMatmul(mx::Stream s, long n, long k, std::vector<long> bounds)
-      : mx::Primitive(s), n_(n), k_(k), bounds_(std::move(bounds)) {}
+  PackedMatmul(mx::Stream s, long n, long k, std::vector<long> bounds, bool small)
+      : mx::Primitive(s), n_(n), k_(k), bounds_(std::move(bounds)), small_(small) {}
 
   void eval_cpu(const std::vector<mx::array> &in, std::vector<mx::array> &outs) override {
     auto &out = outs[0];
@@ -160,8 +258,8 @@ class PackedMatmul : public mx::Primitive {
     long m = in[0].size() / k_;
     const float *bias = in.size() > 2 ? in[2].data<float>() : nullptr;
     encoder.dispatch([x = in[0].data<float>(), w = in[1].data<float>(), bias, o = out.data<float>(),
-                      m, n = n_, k = k_, bounds = bounds_]() {
-      Product j{w, x, bias, o, m, n, k, bounds.data(), static_cast<int>(bounds.size()) - 1};
+                      m, n = n_, k = k_, bounds = bounds_, small = small_]() {
+      Product j{w, x, bias, o, m, n, k, bounds.data(), static_cast<int>(bounds.size()) - 1, small};
       helper().split(j);
     });
   }
@@ -171,27 +269,50 @@ class PackedMatmul : public mx::Primitive {
   const char *name() const override { return "PackedMatmul"; }
   bool is_equivalent(const mx::Primitive &other) const override {
     auto *o = dynamic_cast<const PackedMatmul *>(&other);
-    return o != nullptr && o->n_ == n_ && o->k_ == k_ && o->bounds_ == bounds_;
+    return o != nullptr && o->n_ == n_ && o->k_ == k_ && o->bounds_ == bounds_ &&
+           o->small_ == small_;
   }
 
  private:
   long n_, k_;
   std::vector<long> bounds_;
+  bool small_;
 };
+
+mx::array product(const mx::array &x, const mx::array &weight, long n, long k,
+                  std::vector<long> bounds, std::optional<mx::array> bias, bool small) {
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {mx::contiguous(x, false, s), mx::contiguous(weight, false, s)};
+  if (bias) inputs.push_back(mx::contiguous(*bias, false, s));
+  auto shape = x.shape();
+  shape.back() = static_cast<int>(n);
+  return mx::array(shape, mx::float32,
+                   std::make_shared<PackedMatmul>(s, n, k, std::move(bounds), small), inputs);
+}
+
+bool fits(const mx::array &x, const mx::array &weight, long n, long k,
+          const std::optional<mx::array> &bias) {
+  return x.dtype() == mx::float32 && weight.dtype() == mx::float32 && x.shape().back() == k &&
+         weight.size() == static_cast<size_t>(n * k) && x.size() / k <= MAX_ROWS &&
+         (!bias || (bias->dtype() == mx::float32 && bias->size() == static_cast<size_t>(n)));
+}
 
 /* x [..., k] times the packed weight (n outputs), plus bias: [..., n]. */
 mx::array packed_matmul(const mx::array &x, const mx::array &panels, long n, long k,
                         std::vector<long> bounds, std::optional<mx::array> bias) {
-  if (x.dtype() != mx::float32 || panels.dtype() != mx::float32 || x.shape().back() != k ||
-      panels.size() != static_cast<size_t>(n * k) || n % LANES != 0 || x.size() / k > MAX_ROWS ||
-      bounds.size() < 2 || bounds.front() != 0 || bounds.back() != k)
+  if (!fits(x, panels, n, k, bias) || n % LANES != 0 || bounds.size() < 2 || bounds.front() != 0 ||
+      bounds.back() != k)
     throw std::invalid_argument("packed_matmul: float32 x [..., k] of at most 8 rows, n % 16 == 0");
-  auto s = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, s), mx::contiguous(panels, false, s)};
-  if (bias) inputs.push_back(mx::contiguous(*bias, false, s));
-  auto shape = x.shape();
-  shape.back() = static_cast<int>(n);
-  return mx::array(shape, mx::float32, std::make_shared<PackedMatmul>(s, n, k, bounds), inputs);
+  return product(x, panels, n, k, std::move(bounds), std::move(bias), false);
+}
+
+/* x [..., k] times weight.T (weight [n, k], where it lies), plus bias, with the
+ * small-matrix kernel's sums: [..., n]. */
+mx::array small_matmul(const mx::array &x, const mx::array &weight, std::optional<mx::array> bias) {
+  if (weight.ndim() != 2 || weight.shape(1) < 16 || !fits(x, weight, weight.shape(0), weight.shape(1), bias))
+    throw std::invalid_argument("small_matmul: float32 x [..., k] of at most 8 rows, weight [n, k]");
+  long n = weight.shape(0), k = weight.shape(1);
+  return product(x, weight, n, k, {0, k}, std::move(bias), true);
 }
 
 }  // namespace
@@ -200,4 +321,5 @@ NB_MODULE(_packed, m) {
   nb::module_::import_("mlx.core");
   m.def("packed_matmul", &packed_matmul, nb::arg("x"), nb::arg("panels"), nb::arg("n"), nb::arg("k"),
         nb::arg("bounds"), nb::arg("bias") = nb::none());
+  m.def("small_matmul", &small_matmul, nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none());
 }

@@ -6,19 +6,23 @@ weight into panels on every call before it multiplies; at a decode step's few
 rows that copy costs about what the multiply does (30% of a one-row decode's
 CPU time on SmolLM2: docs/benchmarks.md, the decode-floor section).
 ``packed.cpp``, an mlx primitive built on first use, multiplies from panels
-made once, with OpenBLAS's arithmetic, inside mlx's graph (no sync).
+made once, with OpenBLAS's arithmetic, inside mlx's graph (no sync). The
+products its small-matrix kernel does take (at one row, most of a small
+model's attention and down products) run there too, from the weight where it
+lies: that kernel's sums, on two threads where OpenBLAS runs it on one.
 
 A product goes there only where that gives mlx's own bits: for each weight
 shape (and bias or not) and each row count from 1 to 8, a sample product is
-computed both ways when the model is installed, with each K blocking OpenBLAS
-may use, and a row count whose results differ (OpenBLAS's small-matrix
-kernel, another BLAS, another CPU) keeps mlx's matmul. Everything else (more
+computed both ways when the model is installed, with the small-matrix sums and
+with each K blocking OpenBLAS may use, and a row count whose results differ
+(another BLAS, another CPU) keeps mlx's matmul. Everything else (more
 rows: prefill; quantized or half-precision weights; a GPU) runs as before.
 
 :func:`install` swaps the class of the model's exact ``nn.Linear`` modules,
 and of a tied head's ``nn.Embedding`` (its ``as_linear``), for the subclasses
 below and packs their weights: a second copy of those weights in memory,
-counted in the model's weight bytes. Runs on the GPU thread.
+counted in the model's weight bytes (none for a weight whose every routed row
+count is the small-matrix kernel's). Runs on the GPU thread.
 """
 
 from __future__ import annotations
@@ -56,7 +60,11 @@ _ATTR = "_mlx_nursery_packed"
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
-_routes: dict[tuple[int, int, bool], dict[int, tuple[int, ...]]] = {}
+# A route: the K blocks' edges of the packed kernel, or SMALL: the small-matrix
+# kernel's sums, from the weight where it lies.
+Route = tuple[int, ...]
+SMALL: Route = ()
+_routes: dict[tuple[int, int, bool], dict[int, Route]] = {}
 
 
 def _build() -> Path | None:
@@ -142,26 +150,31 @@ def panels(weight: mx.array) -> mx.array:
     return mx.contiguous(weight.reshape(n // 16, 16, k).transpose(0, 2, 1)).reshape(-1)
 
 
-def routes(n: int, k: int, bias: bool) -> dict[int, tuple[int, ...]]:
-    """Row counts (1-8) whose product of an ``n x k`` weight comes out of the
-    packed kernel with mlx's bits, each with its K blocking."""
+def routes(n: int, k: int, bias: bool) -> dict[int, Route]:
+    """Row counts (1-8) whose product of an ``n x k`` weight comes out of one of
+    the kernels with mlx's bits, each with its route: SMALL, or the packed
+    kernel's K blocking."""
     shape = (n, k, bias)
     if shape in _routes:
         return _routes[shape]
     ext, found = module(), {}
-    if ext is not None and n % 16 == 0 and k >= 16:
+    if ext is not None and k >= 16:
         # A wider weight never moves a product from OpenBLAS's packing path to its
         # small-matrix kernel (that kernel's limits are upper bounds on outputs x
         # rows and on M x N x K), and the packing path's sums do not depend on N:
-        # a head of 262,144 outputs is checked on 4,096 of them.
+        # a head of 262,144 outputs is checked on 4,096 of them. The small-matrix
+        # kernel is checked on the whole weight.
         sample = min(n, 4096)
         w = mx.random.normal((sample, k), key=mx.random.key(sample * 31 + k))
         b = mx.random.normal((sample,), key=mx.random.key(k)) if bias else None
-        packed = panels(w)
+        packed = panels(w) if n % 16 == 0 else None
         for rows in range(1, MAX_ROWS + 1):
             x = mx.random.normal((rows, k), key=mx.random.key(rows))
             want = mx.addmm(b, x, w.T) if bias else x @ w.T
-            for q in BLOCKS:
+            if sample == n and mx.array_equal(want, ext.small_matmul(x, w, b)).item():
+                found[rows] = SMALL
+                continue
+            for q in BLOCKS if packed is not None else ():
                 edges = bounds(k, q)
                 got = ext.packed_matmul(x, packed, sample, k, list(edges), b)
                 if mx.array_equal(want, got).item():
@@ -171,23 +184,30 @@ def routes(n: int, k: int, bias: bool) -> dict[int, tuple[int, ...]]:
     return found
 
 
+def _panelled(found: Mapping[int, Route]) -> bool:
+    """Whether some row count of a weight reads a packed copy."""
+    return any(route != SMALL for route in found.values())
+
+
 @attrs.define
 class Packing:
-    """One module's packed weight and the row counts it serves."""
+    """One module's packed weight (None where every route is SMALL) and the
+    row counts it serves."""
 
-    panels: mx.array
-    routes: dict[int, tuple[int, ...]]
+    panels: mx.array | None
+    routes: dict[int, Route]
     figures: Figures
 
 
 @attrs.define
 class Figures:
-    """One model's packed products: modules, their packed bytes, and calls run
-    from the panels or as before."""
+    """One model's routed products: modules, their packed bytes, and calls run
+    from the panels, with the small-matrix kernel's sums, or as before."""
 
     modules: int = 0
     bytes: int = 0
     packed: int = 0
+    small: int = 0
     plain: int = 0
 
 
@@ -199,6 +219,9 @@ def _product(module: Any, x: mx.array, bias: mx.array | None) -> mx.array | None
     if edges is None:
         packing.figures.plain += 1
         return None
+    if edges == SMALL:
+        packing.figures.small += 1
+        return _module.small_matmul(x, weight, bias)
     packing.figures.packed += 1
     return _module.packed_matmul(x, packing.panels, n, k, list(edges), bias)
 
@@ -247,12 +270,13 @@ def install(model: Any) -> Figures | None:
         found = routes(*weight.shape, kind is nn.Linear and "bias" in m)
         if not found:
             continue
-        packing = Packing(panels(weight), found, figures)
-        mx.eval(packing.panels)
+        packing = Packing(panels(weight) if _panelled(found) else None, found, figures)
+        if packing.panels is not None:
+            mx.eval(packing.panels)
+            figures.bytes += packing.panels.nbytes
         object.__setattr__(m, _ATTR, packing)
         m.__class__ = _PACKED[kind]
         figures.modules += 1
-        figures.bytes += packing.panels.nbytes
     if not figures.modules:
         return None
     object.__setattr__(model, _ATTR, figures)
@@ -271,7 +295,7 @@ def estimate(weights: Mapping[str, tuple[int, int, bool]]) -> int:
     total = 0
     for name, (n, k, bias) in weights.items():
         embedding = "embed" in name.split(".")[-1]
-        if (tied or not embedding) and routes(n, k, bias and not embedding):
+        if (tied or not embedding) and _panelled(routes(n, k, bias and not embedding)):
             total += n * k * 4
     return total
 
