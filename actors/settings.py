@@ -257,11 +257,12 @@ class EngineSettings:
     )  # fmt: skip
     packed_weights: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",
-        help="decode steps multiply float32 weights from a copy packed once at load, in a "
-        "small C++ mlx extension built on first use, with OpenBLAS's own arithmetic: the "
-        "same bits, checked per weight shape and row count at load (actors/step/packed.py); "
-        "a second copy of those weights in memory. Where the bits differ (another BLAS or "
-        "CPU), or off: mlx's matmul",
+        help="decode steps multiply float32 weights from a copy packed once at load (the "
+        "small products from the weight in place, on two threads), in a small C++ mlx "
+        "extension built on first use, with OpenBLAS's own arithmetic: the same bits, "
+        "checked per weight shape and row count at load (actors/step/packed.py); a second "
+        "copy of the packed weights in memory. Where the bits differ (another BLAS or CPU), "
+        "or off: mlx's matmul",
     )  # fmt: skip
     speculative: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",

@@ -110,11 +110,19 @@ async def test_the_serial_lane_equals_stream_generate():
 
 
 async def test_a_lone_row_equals_stream_generate():
+    """A lone row in the batch lane; where the packed-weights extension runs
+    (OpenBLAS on an AVX-512 CPU), its one-row steps read the packed panels and
+    the small-matrix kernel's sums, and the tokens are still mlx-lm's."""
+    from mlx_nursery.actors.step import packed
+
     settings = {"prompt_cache_size": 0, "prefill_step_size": STEP}
     async with checked_engine(smollm2(), batch=8, **settings) as e:
         for ids, want in list(zip(prompts(), expected(), strict=True))[:4]:
             got = await e.generate(ids, max_tokens=MAX_TOKENS)
             assert got.tokens == want
+        figures = e.stats().packed
+    if packed.module() is not None:
+        assert figures is not None and figures.calls > 0 and figures.small_calls > 0, figures
 
 
 @pytest.mark.parametrize("batch", [4, 8])
