@@ -299,8 +299,8 @@ class CompiledFigures:
 class PackedFigures:
     """The products read from packed weights (``--packed-weights``; ``step.packed``)."""
 
-    modules: int  # the model's products with a packed copy of their weight
-    bytes: int  # those copies' bytes
+    modules: int  # the model's products routed to the extension at some row counts
+    bytes: int  # the bytes of their packed copies
     calls: int  # calls that ran from the panels (a decode step's few rows)
     small_calls: int  # calls with the small-matrix kernel's sums, the weight in place
     plain_calls: int  # calls on mlx's matmul: prefill chunks, row counts not routed
