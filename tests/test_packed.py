@@ -27,10 +27,10 @@ mx.random.seed(3)
 model = llama.Model(args)
 mx.eval(model.parameters())
 
-def decode(rows):
+def decode(rows, positions=1):
     cache = make_prompt_cache(model)
     model(mx.array([[7 + i for i in range(40)]] * rows), cache=cache)
-    return model(mx.array([[11]] * rows), cache=cache)
+    return model(mx.array([[11 + i for i in range(positions)]] * rows), cache=cache)
 """
 
 
@@ -50,22 +50,25 @@ def _under_openblas(script: str) -> None:
 
 def test_packed_products_are_mlxs_bits_under_openblas():
     """With OpenBLAS preloaded (as `serve` runs): the packed products and the
-    small-matrix kernel's serve one to eight rows on SmolLM2-sized shapes, and a
-    decode step's logits at 1, 2, 4 and 8 rows are the same bits with them and
-    without."""
+    small-matrix kernel's serve 1 to 32 rows (positions) on SmolLM2-sized
+    shapes, and a decode step's logits at 1, 2, 4 and 8 rows, and a verify
+    step's at 24 and 32 positions, are the same bits with them and without."""
     script = MODEL + textwrap.dedent("""
         from mlx_nursery.actors.step import packed
         if packed.module() is None:
             raise SystemExit("unavailable")
-        plain = [decode(r) for r in (1, 2, 4, 8)]
+        # decode steps of 1-8 rows; verify steps of 8 x 3 and 4 x 8 positions
+        shapes = [(1, 1), (2, 1), (4, 1), (8, 1), (8, 3), (4, 8)]
+        plain = [decode(*shape) for shape in shapes]
         figures = packed.install(model)
         assert figures is not None and figures.modules == 15, figures  # 7 a layer + head
-        got = [decode(r) for r in (1, 2, 4, 8)]
+        got = [decode(*shape) for shape in shapes]
         for a, b in zip(plain, got):
             assert mx.array_equal(a, b).item()
         # decode steps from the panels and in place; prefill on mlx's matmul
         assert figures.packed > 0 and figures.small > 0 and figures.plain > 0, figures
-        assert sorted(packed.routes(1536, 576, False)) == list(range(1, 9))
+        every = list(range(1, packed.MAX_ROWS + 1))
+        assert sorted(packed.routes(1536, 576, False)) == every
         # OpenBLAS's small-matrix kernel takes q and o at one and two rows, k and v
         # at up to six, down at one: those read the weight where it lies
         small = {shape: sorted(r for r, route in packed.routes(*shape, False).items()
@@ -73,7 +76,7 @@ def test_packed_products_are_mlxs_bits_under_openblas():
                  for shape in ((576, 576), (192, 576), (576, 1536), (1536, 576))}
         assert small == {(576, 576): [1, 2], (192, 576): list(range(1, 7)),
                          (576, 1536): [1], (1536, 576): []}, small
-        assert sorted(packed.routes(192, 576, False)) == list(range(1, 9))
+        assert sorted(packed.routes(192, 576, False)) == every
         packed.uninstall(model)
         assert type(model.model.layers[0].mlp.gate_proj).__name__ == "Linear"
         print("ok")
@@ -115,7 +118,7 @@ def test_small_matrix_sums_match_openblas_on_odd_shapes():
         for n, k in ((577, 100), (3, 40), (198, 57)):
             w = mx.random.normal((n, k), key=mx.random.key(n))
             b = mx.random.normal((n,), key=mx.random.key(k))
-            for rows in range(1, 9):
+            for rows in range(1, packed.MAX_ROWS + 1):
                 if n * rows > 1200:
                     continue  # OpenBLAS's packing path: not this kernel's sums
                 x = mx.random.normal((rows, k), key=mx.random.key(rows))

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 
 #include <atomic>
+#include <cstdint>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -46,11 +47,15 @@ namespace mx = mlx::core;
 namespace {
 
 constexpr long LANES = 16;  // outputs a panel
-constexpr long MAX_ROWS = 8;
+constexpr long MAX_ROWS = 128;  // rows (positions) a product may have
+constexpr long CHUNK = 8;  // rows the packed kernel keeps in registers at once
 // A small-matrix product of at least this many weights splits its outputs with
 // the helper thread (on SmolLM2 at one row: all of q, k, v, o and down; k and v
 // gain least, about even).
 constexpr long SMALL_SPLIT = 1L << 16;
+// Pauses the helper thread spins for the next product before it sleeps (about
+// 0.4 ms here; 200 or 200,000 read the same within noise at one row).
+constexpr int SPINS = 20000;
 
 struct Product {
   const float *panels;  // [n / 16][k][16], or the weight [n][k] where `small`
@@ -64,36 +69,41 @@ struct Product {
 };
 
 /* Panels [first, last) of one product: `P` panels at a time share each row's
- * broadcast value. */
+ * broadcast value; the rows go a chunk of up to CHUNK at a time, each panel
+ * read once from memory for all of them. */
 template <int P>
 void panels(const Product &j, long first, long last) {
-  for (long p = first; p < last; p += P) {
-    __m512 sum[P][MAX_ROWS];
-    for (int b = 0; b < j.blocks; b++) {
-      __m512 acc[P][MAX_ROWS];
-      for (int q = 0; q < P; q++)
-        for (long r = 0; r < j.m; r++) acc[q][r] = _mm512_setzero_ps();
-      for (long kk = j.bounds[b]; kk < j.bounds[b + 1]; kk++) {
-        __m512 w[P];
-        for (int q = 0; q < P; q++) w[q] = _mm512_loadu_ps(j.panels + ((p + q) * j.k + kk) * LANES);
-        for (long r = 0; r < j.m; r++) {
-          __m512 v = _mm512_set1_ps(j.x[r * j.k + kk]);
-          for (int q = 0; q < P; q++) acc[q][r] = _mm512_fmadd_ps(w[q], v, acc[q][r]);
+  for (long p = first; p < last; p += P)
+    for (long r0 = 0; r0 < j.m; r0 += CHUNK) {
+      const long rows = j.m - r0 < CHUNK ? j.m - r0 : CHUNK;
+      const float *x = j.x + r0 * j.k;
+      float *out = j.out + r0 * j.n;
+      __m512 sum[P][CHUNK];
+      for (int b = 0; b < j.blocks; b++) {
+        __m512 acc[P][CHUNK];
+        for (int q = 0; q < P; q++)
+          for (long r = 0; r < rows; r++) acc[q][r] = _mm512_setzero_ps();
+        for (long kk = j.bounds[b]; kk < j.bounds[b + 1]; kk++) {
+          __m512 w[P];
+          for (int q = 0; q < P; q++) w[q] = _mm512_loadu_ps(j.panels + ((p + q) * j.k + kk) * LANES);
+          for (long r = 0; r < rows; r++) {
+            __m512 v = _mm512_set1_ps(x[r * j.k + kk]);
+            for (int q = 0; q < P; q++) acc[q][r] = _mm512_fmadd_ps(w[q], v, acc[q][r]);
+          }
         }
+        for (int q = 0; q < P; q++)
+          for (long r = 0; r < rows; r++) {
+            if (b > 0)
+              sum[q][r] = _mm512_add_ps(acc[q][r], sum[q][r]);
+            else if (j.bias != nullptr)
+              sum[q][r] = _mm512_add_ps(acc[q][r], _mm512_loadu_ps(j.bias + (p + q) * LANES));
+            else
+              sum[q][r] = acc[q][r];
+          }
       }
       for (int q = 0; q < P; q++)
-        for (long r = 0; r < j.m; r++) {
-          if (b > 0)
-            sum[q][r] = _mm512_add_ps(acc[q][r], sum[q][r]);
-          else if (j.bias != nullptr)
-            sum[q][r] = _mm512_add_ps(acc[q][r], _mm512_loadu_ps(j.bias + (p + q) * LANES));
-          else
-            sum[q][r] = acc[q][r];
-        }
+        for (long r = 0; r < rows; r++) _mm512_storeu_ps(out + r * j.n + (p + q) * LANES, sum[q][r]);
     }
-    for (int q = 0; q < P; q++)
-      for (long r = 0; r < j.m; r++) _mm512_storeu_ps(j.out + r * j.n + (p + q) * LANES, sum[q][r]);
-  }
 }
 
 /* The small-matrix kernel's lane sum for four accumulators at once: each
@@ -184,13 +194,31 @@ void run(const Product &j, long first, long last) {
 }
 
 bool worth_splitting(const Product &j) {
-  return j.small ? j.n * j.k >= SMALL_SPLIT : j.n / LANES >= 64;
+  return j.small ? j.n * j.k >= SMALL_SPLIT : j.n / LANES * j.m >= 64;
 }
 
-/* One helper thread takes half the units of a large product: it spins a
- * little for the next one (a decode step's products come back to back), then
- * sleeps. It serves one product at a time: a product that comes while it is
- * busy (another model's stream, in the same process) runs whole where it came. */
+/* The units of a chunk, the grain the two threads share a product in: about
+ * 32K weights read (128 KiB), counting a panel once for each 8 rows. */
+long chunk_units(const Product &j) {
+  long weights = (j.small ? 4 : LANES) * j.k;                  // a unit's
+  long passes = j.small ? 1 : (j.m + CHUNK - 1) / CHUNK;  // each read this often
+  long step = 32768 / (weights * passes);
+  return step > 0 ? step : 1;
+}
+
+/* One helper thread shares the chunks of a large product with the thread that
+ * evaluates it: each claims the next chunk from one counter until none is
+ * left, so a helper that is late (asleep, or waiting for a core) costs only
+ * its share of the parallelism, never a wait; the evaluating thread waits only
+ * for chunks the helper has claimed. The helper spins a little for the next
+ * product (a decode step's products come back to back), then sleeps. It serves
+ * one product at a time: a product that comes while it is busy (another
+ * model's stream, in the same process) runs whole where it came.
+ *
+ * The counter holds the product's ticket in its high half and the next chunk
+ * in its low half, so a claim can only succeed for the product it was read
+ * for: a helper that copied the job of a product already finished (and perhaps
+ * a half-written next one) finds its claims refused and drops the copy. */
 class Helper {
  public:
   void split(const Product &j) {
@@ -201,15 +229,41 @@ class Helper {
       return;
     }
     start();
-    job_ = j;
-    half_ = count / 2;
-    long ticket = posted_.fetch_add(1, std::memory_order_acq_rel) + 1;
-    posted_.notify_one();
-    run(j, 0, half_);
-    while (finished_.load(std::memory_order_acquire) != ticket) _mm_pause();
+    Job job{j, count, chunk_units(j), 0};
+    job.chunks = (count + job.step - 1) / job.step;
+    job_ = job;
+    done_.store(0, std::memory_order_relaxed);
+    uint64_t ticket = ++ticket_ & 0xffffffffu;  // the counter's high half
+    claim_.store(ticket << 32, std::memory_order_release);
+    claim_.notify_one();
+    long mine = work(ticket, job, nullptr);
+    while (done_.load(std::memory_order_acquire) != job.chunks - mine) _mm_pause();
   }
 
  private:
+  struct Job {
+    Product product;
+    long count, step, chunks;
+  };
+
+  /* Claims and runs chunks of product `ticket` while any is left; returns how
+   * many it ran (each also counted in `done`, where given). */
+  long work(uint64_t ticket, const Job &job, std::atomic<long> *done) {
+    long ran = 0;
+    uint64_t v = claim_.load(std::memory_order_acquire);
+    for (;;) {
+      long chunk = static_cast<long>(v & 0xffffffffu);
+      if ((v >> 32) != ticket || chunk >= job.chunks) return ran;
+      if (!claim_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel,
+                                        std::memory_order_acquire))
+        continue;
+      long first = chunk * job.step, last = first + job.step;
+      run(job.product, first, last < job.count ? last : job.count);
+      ran++;
+      if (done != nullptr) done->fetch_add(1, std::memory_order_release);
+      v = claim_.load(std::memory_order_acquire);
+    }
+  }
   void start() {
     if (!started_) {
       started_ = true;
@@ -217,26 +271,27 @@ class Helper {
     }
   }
   void loop() {
-    long seen = 0;
+    uint64_t seen = 0;
     for (;;) {
-      long ticket;
+      uint64_t v;
       int spins = 0;
-      while ((ticket = posted_.load(std::memory_order_acquire)) == seen) {
-        if (++spins < 20000)
+      while ((v = claim_.load(std::memory_order_acquire)) >> 32 == seen) {
+        if (++spins < SPINS)
           _mm_pause();
         else
-          posted_.wait(seen, std::memory_order_acquire);
+          claim_.wait(v, std::memory_order_acquire);
       }
-      seen = ticket;
-      run(job_, half_, units(job_));
-      finished_.store(ticket, std::memory_order_release);
+      seen = v >> 32;
+      Job job = job_;  // read after the ticket: whole, unless that product is over
+      work(seen, job, &done_);
     }
   }
   std::mutex busy_;
   bool started_ = false;  // written under busy_
-  Product job_{};
-  long half_ = 0;
-  std::atomic<long> posted_{0}, finished_{0};
+  uint64_t ticket_ = 0;   // written under busy_
+  Job job_{};
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<long> done_{0};
 };
 
 Helper &helper() {
@@ -302,7 +357,7 @@ mx::array packed_matmul(const mx::array &x, const mx::array &panels, long n, lon
                         std::vector<long> bounds, std::optional<mx::array> bias) {
   if (!fits(x, panels, n, k, bias) || n % LANES != 0 || bounds.size() < 2 || bounds.front() != 0 ||
       bounds.back() != k)
-    throw std::invalid_argument("packed_matmul: float32 x [..., k] of at most 8 rows, n % 16 == 0");
+    throw std::invalid_argument("packed_matmul: float32 x [..., k] of at most 128 rows, n % 16 == 0");
   return product(x, panels, n, k, std::move(bounds), std::move(bias), false);
 }
 
@@ -310,7 +365,7 @@ mx::array packed_matmul(const mx::array &x, const mx::array &panels, long n, lon
  * small-matrix kernel's sums: [..., n]. */
 mx::array small_matmul(const mx::array &x, const mx::array &weight, std::optional<mx::array> bias) {
   if (weight.ndim() != 2 || weight.shape(1) < 16 || !fits(x, weight, weight.shape(0), weight.shape(1), bias))
-    throw std::invalid_argument("small_matmul: float32 x [..., k] of at most 8 rows, weight [n, k]");
+    throw std::invalid_argument("small_matmul: float32 x [..., k] of at most 128 rows, weight [n, k]");
   long n = weight.shape(0), k = weight.shape(1);
   return product(x, weight, n, k, {0, k}, std::move(bias), true);
 }

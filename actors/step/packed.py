@@ -12,11 +12,12 @@ model's attention and down products) run there too, from the weight where it
 lies: that kernel's sums, on two threads where OpenBLAS runs it on one.
 
 A product goes there only where that gives mlx's own bits: for each weight
-shape (and bias or not) and each row count from 1 to 8, a sample product is
+shape (and bias or not) and each row count from 1 to 32, a sample product is
 computed both ways when the model is installed, with the small-matrix sums and
 with each K blocking OpenBLAS may use, and a row count whose results differ
 (another BLAS, another CPU) keeps mlx's matmul. Everything else (more
-rows: prefill; quantized or half-precision weights; a GPU) runs as before.
+rows, where OpenBLAS's own kernel is as fast: longer prefill chunks;
+quantized or half-precision weights; a GPU) runs as before.
 
 :func:`install` swaps the class of the model's exact ``nn.Linear`` modules,
 and of a tied head's ``nn.Embedding`` (its ``as_linear``), for the subclasses
@@ -51,7 +52,7 @@ log = logging.getLogger("mlx_nursery.packed")
 SOURCE = Path(__file__).with_name("packed.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC",
          "-fvisibility=hidden", "-DNDEBUG", "-DNB_DOMAIN=mlx"]  # fmt: skip
-MAX_ROWS = 8
+MAX_ROWS = 32  # past this many rows OpenBLAS's own kernel is as fast (docs/batching.md)
 # OpenBLAS's K block for single-precision GEMM differs by CPU; the checks find
 # which one this machine's uses (320 on the AVX-512 kernels measured here).
 BLOCKS = (320, 256, 384, 448, 512, 640, 192, 128)
@@ -151,7 +152,7 @@ def panels(weight: mx.array) -> mx.array:
 
 
 def routes(n: int, k: int, bias: bool) -> dict[int, Route]:
-    """Row counts (1-8) whose product of an ``n x k`` weight comes out of one of
+    """Row counts (1-32) whose product of an ``n x k`` weight comes out of one of
     the kernels with mlx's bits, each with its route: SMALL, or the packed
     kernel's K blocking."""
     shape = (n, k, bias)
