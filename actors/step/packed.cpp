@@ -17,7 +17,7 @@
  * row most of a small model's attention and down products) read the weight
  * where it lies, one output at a time: sixteen lanes of fused multiply-adds
  * over K, the lanes then summed in a fixed tree. That kernel runs on one
- * thread; here the outputs are split with a helper thread, each output's sums
+ * thread; here its outputs are shared with a helper thread, each output's sums
  * unchanged (`small` below).
  *
  * Built on first use by actors/step/packed.py with nanobind (the version whose
@@ -48,7 +48,7 @@ namespace {
 
 constexpr long LANES = 16;  // outputs a panel
 constexpr long MAX_ROWS = 128;  // rows (positions) a product may have
-constexpr long CHUNK = 8;  // rows the packed kernel keeps in registers at once
+constexpr long ROW_BLOCK = 8;  // rows the packed kernel keeps in registers at once
 // A small-matrix product of at least this many weights splits its outputs with
 // the helper thread (on SmolLM2 at one row: all of q, k, v, o and down; k and v
 // gain least, about even).
@@ -69,18 +69,18 @@ struct Product {
 };
 
 /* Panels [first, last) of one product: `P` panels at a time share each row's
- * broadcast value; the rows go a chunk of up to CHUNK at a time, each panel
+ * broadcast value; the rows go up to ROW_BLOCK at a time, each panel
  * read once from memory for all of them. */
 template <int P>
 void panels(const Product &j, long first, long last) {
   for (long p = first; p < last; p += P)
-    for (long r0 = 0; r0 < j.m; r0 += CHUNK) {
-      const long rows = j.m - r0 < CHUNK ? j.m - r0 : CHUNK;
+    for (long r0 = 0; r0 < j.m; r0 += ROW_BLOCK) {
+      const long rows = j.m - r0 < ROW_BLOCK ? j.m - r0 : ROW_BLOCK;
       const float *x = j.x + r0 * j.k;
       float *out = j.out + r0 * j.n;
-      __m512 sum[P][CHUNK];
+      __m512 sum[P][ROW_BLOCK];
       for (int b = 0; b < j.blocks; b++) {
-        __m512 acc[P][CHUNK];
+        __m512 acc[P][ROW_BLOCK];
         for (int q = 0; q < P; q++)
           for (long r = 0; r < rows; r++) acc[q][r] = _mm512_setzero_ps();
         for (long kk = j.bounds[b]; kk < j.bounds[b + 1]; kk++) {
@@ -201,7 +201,7 @@ bool worth_splitting(const Product &j) {
  * 32K weights read (128 KiB), counting a panel once for each 8 rows. */
 long chunk_units(const Product &j) {
   long weights = (j.small ? 4 : LANES) * j.k;                  // a unit's
-  long passes = j.small ? 1 : (j.m + CHUNK - 1) / CHUNK;  // each read this often
+  long passes = j.small ? 1 : (j.m + ROW_BLOCK - 1) / ROW_BLOCK;  // each read this often
   long step = 32768 / (weights * passes);
   return step > 0 ? step : 1;
 }
