@@ -68,16 +68,41 @@ class ModelProcess:
     client: httpx.AsyncClient
     figures: dict[str, Any] = attrs.field(factory=dict)  # the child's /stats "models"[0]
     stats: dict[str, Any] = attrs.field(factory=dict)  # the child's whole /stats body
+    stopping: bool = False
+    _calls: set[trio.CancelScope] = attrs.field(factory=set)  # short calls in flight
+    _quiet: trio.Event | None = None  # set when the last of them has ended
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
+    async def call(self, method: str, path: str) -> httpx.Response | None:
+        """One short call to the child (figures, sessions): its answer, read
+        whole, or None when the child could not be asked (stopping, or gone).
+
+        Such calls run beside the slot's life, so :meth:`stop` cancels those in
+        flight and waits for them before it closes the client: one still
+        connecting when the client's pool closed would come back with a socket
+        that pool no longer knows, left to the garbage collector."""
+        if self.stopping:
+            return None
+        with trio.CancelScope() as scope:
+            self._calls.add(scope)
+            try:
+                return await self.client.request(method, path)
+            except httpx.HTTPError:
+                return None
+            finally:
+                self._calls.discard(scope)
+                if not self._calls and self._quiet is not None:
+                    self._quiet.set()
+        return None  # cancelled by stop
+
     async def refresh(self) -> None:
         """Read the child's figures (resident bytes, requests, tokens)."""
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
-            r = await self.client.get("/stats")
-            if r.status_code == 200:
+        r = await self.call("GET", "/stats")
+        if r is not None and r.status_code == 200:
+            with contextlib.suppress(ValueError, KeyError, IndexError):
                 self.stats = r.json()
                 self.figures = self.stats["models"][0]
 
@@ -85,6 +110,12 @@ class ModelProcess:
         """SIGTERM, then wait for the child to drain and exit (killed after
         ``STOP_GRACE``)."""
         with trio.CancelScope(shield=True):
+            self.stopping = True
+            while self._calls:
+                self._quiet = trio.Event()
+                for scope in self._calls:
+                    scope.cancel()
+                await self._quiet.wait()
             await self.client.aclose()
             if self.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

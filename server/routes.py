@@ -293,8 +293,10 @@ class Routes:
         data = [session_json(s) for slot in self.state.pool.loaded()
                 for s in slot.engine.sessions()]  # fmt: skip
         for child in self.state.pool.processes_serving():
-            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                data += (await child.client.get("/v1/sessions")).json()["data"]
+            r = await child.call("GET", "/v1/sessions")
+            if r is not None and r.status_code == 200:
+                with contextlib.suppress(ValueError, KeyError):
+                    data += r.json()["data"]
         return json_response({"object": "list", "data": data})
 
     async def cancel_session(self, session: str) -> Response:
@@ -304,9 +306,10 @@ class Routes:
         why = f"session {session} was cancelled by DELETE"
         n = sum(slot.engine.cancel_session(session, why) for slot in self.state.pool.loaded())
         for child in self.state.pool.processes_serving():
-            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                r = await child.client.delete(f"/v1/sessions/{session}")
-                n += r.json()["cancelled"] if r.status_code == 200 else 0
+            r = await child.call("DELETE", f"/v1/sessions/{session}")
+            if r is not None and r.status_code == 200:
+                with contextlib.suppress(ValueError, KeyError):
+                    n += r.json()["cancelled"]
         if not n:
             raise ApiError(404, f"no live session {session!r}; GET /v1/sessions lists them",
                            type="not_found_error", code="session_not_found")  # fmt: skip

@@ -422,3 +422,31 @@ async def test_a_model_that_cannot_load_in_its_own_process_is_a_503_saying_why(t
             assert error["code"] == "model_load_failed" and "no_such_family" in error["message"]
             assert state.pool.slots["broken"].process is None
             assert (await chat(http, "default", "hi")).status_code == 200  # the rest serves
+
+
+
+async def test_a_child_stopped_while_its_figures_are_read_leaves_no_socket_behind():
+    """Reads of a child's figures run beside its slot's life (a relay that ended,
+    /stats): a stop that closes the child's client while some are still
+    connecting must cancel and wait for them, else their sockets come back to a
+    pool that no longer knows them and are left to the garbage collector (a
+    ResourceWarning, an error in this suite)."""
+    import gc
+
+    from mlx_nursery.server import model_process
+    from mlx_nursery.server.settings import Settings
+
+    template = Settings(model=str(model_path("llama")), port=0)
+    for _ in range(3):
+        settings = model_process.child_settings(template, "qwen3", str(model_path("qwen3")),
+                                                _settings())  # fmt: skip
+        child = await model_process.start(settings)
+        assert child.figures["name"] == "qwen3"
+        async with trio.open_nursery() as nursery:
+            for _ in range(16):
+                nursery.start_soon(child.refresh)
+            await trio.sleep(0)  # they are connecting
+            await child.stop()
+        assert child.stopping and not child._calls and child.process.returncode == 0
+        await child.refresh()  # once stopped, a no-op
+        gc.collect()
