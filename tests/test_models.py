@@ -445,7 +445,7 @@ async def test_a_child_stopped_while_its_figures_are_read_leaves_no_socket_behin
         async with trio.open_nursery() as nursery:
             for _ in range(16):
                 nursery.start_soon(child.refresh)
-            await trio.sleep(0)  # they are connecting
+            await trio.lowlevel.checkpoint()  # they are connecting
             await child.stop()
         assert child.stopping and not child._calls and child.process.returncode == 0
         await child.refresh()  # once stopped, a no-op
