@@ -6,7 +6,8 @@ be split that many ways, then runs ``mlx.launch --backend ring`` with the same
 machines for ``--hostfile``). Inside the launch, rank 0 serves HTTP and the
 others follow (``actors/ranks/``). SIGINT/SIGTERM to the launcher go to rank
 0 alone, which drains, closes its followers' connections (they exit), and
-exits; the launcher returns ``mlx.launch``'s status.
+exits; the launcher's exit status is 0 when every rank ended cleanly, 1 when
+one was killed or exited with an error (``mlx.launch`` itself always exits 0).
 """
 
 from __future__ import annotations
@@ -78,10 +79,15 @@ def launch(argv: list[str], ranks: int, hostfile: Path | None) -> int:
 
 def mlx_launch() -> None:
     """``mlx.launch`` (its own ``main``, arguments from ``sys.argv``), with its
-    stdin forwarding turned off. Its loops wait on each rank's stdin being
-    writable, which a pipe always is, and on its own stdin being readable, which
-    one at its end always is: the launch would spin a core for as long as it
-    runs (half of a 2-core machine). No rank reads its stdin."""
+    stdin forwarding turned off and its exit status made the ranks'.
+
+    Its loops wait on each rank's stdin being writable, which a pipe always is,
+    and on its own stdin being readable, which one at its end always is: the
+    launch would spin a core for as long as it runs (half of a 2-core machine).
+    No rank reads its stdin. And ``mlx.launch`` exits 0 whatever its ranks did,
+    saying only in a warning that a rank was killed or exited with a code: those
+    warnings are counted here, and any makes the launch exit 1, so ``serve
+    --ranks`` reports a failed rank to whatever runs it."""
     import select
 
     from mlx._distributed_utils import launch as mlx
@@ -91,8 +97,19 @@ def mlx_launch() -> None:
         readable, _, exceptional = select.select(r, [], x, timeout)
         return readable, [], exceptional
 
+    failed: list[str] = []
+    warn = mlx.log_warning
+
+    def note_failed_rank(*words: object, **kwargs: object) -> None:
+        if str(words[0] if words else "").startswith("Node with rank"):
+            failed.append(" ".join(map(str, words)))
+        warn(*words, **kwargs)
+
     mlx.select = quiet_select
+    mlx.log_warning = note_failed_rank
     mlx.main()
+    if failed:
+        sys.exit(1)
 
 
 def note_rank0_pid() -> None:

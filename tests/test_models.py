@@ -424,7 +424,6 @@ async def test_a_model_that_cannot_load_in_its_own_process_is_a_503_saying_why(t
             assert (await chat(http, "default", "hi")).status_code == 200  # the rest serves
 
 
-
 async def test_a_child_stopped_while_its_figures_are_read_leaves_no_socket_behind():
     """Reads of a child's figures run beside its slot's life (a relay that ended,
     /stats): a stop that closes the child's client while some are still

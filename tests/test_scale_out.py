@@ -85,8 +85,10 @@ async def sharded_server(ranks: int, model: Path, *args: str):
     pids: list[int] = []
     try:
         async with httpx.AsyncClient(base_url=url, timeout=5) as client:
-            with trio.fail_after(LAUNCH_TIMEOUT):
+            with trio.move_on_after(LAUNCH_TIMEOUT) as waiting:
                 await wait_healthy(client, launcher, lambda: _tail(log))
+            assert not waiting.cancelled_caught, (
+                f"not healthy after {LAUNCH_TIMEOUT} s; the launch's output:\n{_tail(log)}")
             pids = [r["pid"] for r in (await client.get("/stats")).json()["ranks"]]
         launcher.log = log
         yield url, launcher
@@ -235,8 +237,10 @@ async def test_a_killed_follower_ends_every_stream_with_an_error():
         )
         assert seconds < LOSS_SECONDS, seconds
         _assert_error_then_done(events)
-        # mlx.launch stops the other ranks when one dies: rank 0 drains and exits
-        await trio.to_thread.run_sync(launcher.wait, 60)
+        # mlx.launch stops the other ranks when one dies: rank 0 drains and exits,
+        # and the launcher says a rank failed
+        assert await trio.to_thread.run_sync(launcher.wait, 60) == 1, _tail(launcher.log)
+        assert "Node with rank 1 exited with code -9" in _tail(launcher.log)
 
 
 async def test_a_stalled_follower_turns_health_503_and_ends_every_stream():
