@@ -13,9 +13,11 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -88,7 +90,8 @@ async def sharded_server(ranks: int, model: Path, *args: str):
             with trio.move_on_after(LAUNCH_TIMEOUT) as waiting:
                 await wait_healthy(client, launcher, lambda: _tail(log))
             assert not waiting.cancelled_caught, (
-                f"not healthy after {LAUNCH_TIMEOUT} s; the launch's output:\n{_tail(log)}")
+                f"not healthy after {LAUNCH_TIMEOUT} s; the launch's output:\n{_tail(log)}"
+            )
             pids = [r["pid"] for r in (await client.get("/stats")).json()["ranks"]]
         launcher.log = log
         yield url, launcher
@@ -261,6 +264,51 @@ async def test_a_stalled_follower_turns_health_503_and_ends_every_stream():
         finally:
             os.kill(follower, signal.SIGCONT)
             _kill(follower)
+
+
+async def test_the_watch_counts_heartbeats_that_arrived_while_its_own_loop_was_held_up():
+    """Rank 0's watch loses the ranks after ``timeout`` seconds with nothing from
+    a follower, and a follower is heard when its listener reads. When rank 0's
+    event loop is held up past the timeout (a call holding the GIL, a starved
+    core), the watch and the listener wake together, in either order: heartbeats
+    that arrived meanwhile must count, or a live follower reads as stalled and
+    /health stays 503. A follower that really sends nothing is still lost."""
+    from mlx_nursery.actors.gpu import Gpu
+    from mlx_nursery.actors.ranks import Leader, RankWatch
+    from mlx_nursery.actors.ranks.leader import Follower
+    from mlx_nursery.actors.ranks.plans import Plans
+
+    ours, theirs = socket.socketpair()
+    beating = threading.Event()
+    beating.set()
+    done = threading.Event()
+
+    def heartbeat() -> None:  # a follower's: a line of figures every 0.1 s
+        while not done.wait(0.1):
+            if beating.is_set():
+                theirs.sendall(b'{"calls": 0}\n')
+
+    gpu = Gpu()
+    watch = RankWatch(Leader(Plans(None), [Follower(1, "here", os.getpid(), ours)]), gpu,
+                      timeout=0.6)  # fmt: skip
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    beat.start()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch.run)
+            for _ in range(6):  # each wake-up is a coin toss between the two tasks
+                time.sleep(0.9)  # noqa: ASYNC251 (the event loop held up, on purpose)
+                await trio.sleep(0.6)
+                assert gpu.lost is None, gpu.lost
+            beating.clear()  # alive, connected, silent: stalled
+            await trio.sleep(2.5)  # past the timeout and the watch's next look
+            assert gpu.lost is not None and "rank 1" in gpu.lost and "stalled" in gpu.lost
+            nursery.cancel_scope.cancel()
+    finally:
+        done.set()
+        beat.join()
+        ours.close()
+        theirs.close()
 
 
 def test_a_model_that_cannot_be_split_is_refused_before_launch():

@@ -138,8 +138,12 @@ class RankWatch:
                 await trio.sleep(HEARTBEAT_SECONDS)
                 now = time.monotonic()
                 for f in self.leader.followers:
-                    if now - f.heard > self.timeout and self.gpu.lost is None:
-                        self._lose(f, f"has sent nothing for {now - f.heard:.1f} s (stalled)")
+                    if now - f.heard <= self.timeout or self.gpu.lost is not None:
+                        continue
+                    if _unread(f.sock):  # it did send: this loop was late to read it
+                        f.heard = now
+                        continue
+                    self._lose(f, f"has sent nothing for {now - f.heard:.1f} s (stalled)")
 
     async def _listen(self, f: Follower) -> None:
         sock = trio.socket.from_stdlib_socket(f.sock.dup())
@@ -167,6 +171,17 @@ class RankWatch:
         reason = f"rank {f.rank} (pid {f.pid} on {f.host}) {why}; the sharded engine is stopped"
         log.error("ranks lost: %s", reason)
         self.gpu.lose(reason)
+
+
+def _unread(sock: socket.socket) -> bool:
+    """Whether bytes wait unread on a follower's connection. ``heard`` is when
+    the listener last read, so after this process's event loop was held up
+    longer than the timeout (a long call holding the GIL, a starved core) the
+    watch can wake before the listener has read heartbeats that did arrive."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing waiting (EAGAIN), or the connection failed
+        return False
 
 
 def rank_figures(leader: Leader, own: dict) -> list[dict]:
