@@ -146,12 +146,20 @@ class RankWatch:
                     self._lose(f, f"has sent nothing for {now - f.heard:.1f} s (stalled)")
 
     async def _listen(self, f: Follower) -> None:
-        sock = trio.socket.from_stdlib_socket(f.sock.dup())
+        """Read a follower's heartbeats. ``heard`` is set before the bytes are
+        taken, with no checkpoint between (a trio socket's ``recv`` yields after
+        it has read): the watch never finds them gone while ``heard`` is old."""
+        sock = f.sock.dup()
+        sock.setblocking(False)  # as trio's own sockets are
         buffer = b""
         with sock:
             while True:
+                await trio.lowlevel.wait_readable(sock)
+                f.heard = time.monotonic()
                 try:
-                    data = await sock.recv(65536)
+                    data = sock.recv(65536)
+                except BlockingIOError:
+                    continue
                 except OSError as exc:
                     data, why = b"", f"connection failed ({exc})"
                 else:
@@ -160,7 +168,6 @@ class RankWatch:
                     if self.gpu.lost is None and not self.gpu.stopping:
                         self._lose(f, why)
                     return
-                f.heard = time.monotonic()
                 buffer += data
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
@@ -175,9 +182,9 @@ class RankWatch:
 
 def _unread(sock: socket.socket) -> bool:
     """Whether bytes wait unread on a follower's connection. ``heard`` is when
-    the listener last read, so after this process's event loop was held up
-    longer than the timeout (a long call holding the GIL, a starved core) the
-    watch can wake before the listener has read heartbeats that did arrive."""
+    the listener last woke to read, so after this process's event loop was held
+    up longer than the timeout (a long call holding the GIL, a starved core) the
+    watch can run before the listener has read heartbeats that did arrive."""
     try:
         return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
     except OSError:  # nothing waiting (EAGAIN), or the connection failed
