@@ -97,12 +97,12 @@ def mlx_launch() -> None:
         readable, _, exceptional = select.select(r, [], x, timeout)
         return readable, [], exceptional
 
-    failed: list[str] = []
+    failed = False
     warn = mlx.log_warning
 
     def note_failed_rank(*words: object, **kwargs: object) -> None:
-        if str(words[0] if words else "").startswith("Node with rank"):
-            failed.append(" ".join(map(str, words)))
+        nonlocal failed
+        failed = failed or str(words[0] if words else "").startswith("Node with rank")
         warn(*words, **kwargs)
 
     mlx.select = quiet_select
