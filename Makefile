@@ -78,17 +78,17 @@ serve: install openblas
 	$(BIN)/mlx-nursery serve $(ARGS)
 
 # Engine and server against mlx-lm on the 30M benchmark model (built once into
-# ~/.cache/mlx-nursery), then on the real default model (SmolLM2-135M-Instruct,
+# ~/.cache/mlx-nursery, keyed by its builder), then on the real default model (SmolLM2-135M-Instruct,
 # dequantized to float32), then sharded on 1-3 ranks, then the overload storm; writes
 # docs/benchmarks.md, docs/bench/ and the tables of docs/scale-out.md and
 # docs/reliability.md, then the speculative-decoding loads, then Claude Code's agent
 # loop request by request (needs `make clients`). About an hour and a half.
 # `make bench PEERS=1` adds vllm-mlx and rapid-mlx (own venvs in ~/.cache/mlx-nursery/peers,
 # installed on first use: each pulls torch, about 6.5 GB and 3 minutes).
-BENCH_MODEL ?= $(HOME)/.cache/mlx-nursery/bench-llama-30m
+# The benchmark model's folder is keyed by a hash of what builds it (goldens/keyed.py).
+BENCH_MODEL ?= $(shell $(BIN)/python goldens/make_bench_model.py --if-missing)
 bench: install openblas clients
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
-	$(BIN)/python goldens/make_bench_model.py --if-missing --out $(BENCH_MODEL)
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) $(if $(PEERS),--peers)
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --copies
 	$(BIN)/python bench/benchsuite.py --real $(if $(PEERS),--peers)

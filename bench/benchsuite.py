@@ -53,6 +53,15 @@ BATCH_TOKENS = 128
 PROMPT = "Write a short story about a lighthouse keeper who collects sea glass."
 
 
+
+def bench_llama(shardable: bool = False) -> Path:
+    """The 30M benchmark model (goldens/make_bench_model.py), built once into its
+    keyed cache folder."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "goldens"))
+    from make_bench_model import ensure
+
+    return ensure(shardable=shardable)
+
 def blas() -> str:
     maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
     return "OpenBLAS (preloaded)" if "libopenblas" in maps else "mlx bundled reference BLAS"
@@ -1414,13 +1423,10 @@ def main() -> int:
     from mlx_nursery.actors.models.registry import DEFAULT, fetch
 
     if args.scale_out:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "goldens"))
-        from make_bench_model import ensure
-
         twin = "bench-llama-30m-h12 (hidden 576, 12 / 6 heads; otherwise the 30M)"
         smollm2 = "SmolLM2-135M-Instruct (9 / 3 heads)"
         scale_out([
-            (twin, str(ensure(shardable=True)), [1, 2, 3]),
+            (twin, str(bench_llama(shardable=True)), [1, 2, 3]),
             (smollm2, str(float32_copy(fetch(DEFAULT))), [1, 3]),
         ])  # fmt: skip
         return 0

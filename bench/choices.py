@@ -2,7 +2,7 @@
 target: >= 2.5x the tok/s), on one server, each round on a prompt no earlier
 round used (so neither side finds the other's prompt in the cache).
 
-    python bench/choices.py --model ~/.cache/mlx-nursery/bench-llama-30m
+    python bench/choices.py --model $(python goldens/make_bench_model.py --if-missing)
 
 Prints the figures and the markdown row for docs/benchmarks.md.
 """

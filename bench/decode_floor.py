@@ -33,9 +33,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from pathlib import Path
 
-from benchsuite import _write_section, blas, float32_copy
+from benchsuite import _write_section, bench_llama, blas, float32_copy
 from compiled_step import CAPACITY, fixed_decode, mlx_lm_decode, with_openblas
 from mlx_nursery.actors.models import registry
 from step_lengths import timed
@@ -198,10 +197,7 @@ def main() -> int:
         "|---|---|---|---|---|",
         *[f"| {' | '.join(row)} |" for row in rows],
     ]
-    bench_llama = Path.home() / ".cache/mlx-nursery/bench-llama-30m"
-    others = {"SmolLM2-135M": model}
-    if (bench_llama / "config.json").is_file():
-        others["bench llama 30M"] = load(str(bench_llama))[0]
+    others = {"SmolLM2-135M": model, "bench llama 30M": load(str(bench_llama()))[0]}
     lines += ["", *breakdown_table(others)]
     body = "\n".join(lines)
     print(body)

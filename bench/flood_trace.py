@@ -3,7 +3,7 @@ a server whose every GPU call is timed, then the measured window's GPU time by
 kind: decode steps by batch size, with or without B's long row, and prefill
 turns with the tokens they prefilled.
 
-    python bench/flood_trace.py --model ~/.cache/mlx-nursery/bench-llama-30m
+    python bench/flood_trace.py --model $(python goldens/make_bench_model.py --if-missing)
 
 The server runs in this process's child (``serve`` with the tracer patched into
 ``Gpu._run``); OpenBLAS is preloaded as for ``benchsuite.py``."""

@@ -25,10 +25,9 @@ import random
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
-from benchsuite import Server, _write_section, free_port
+from benchsuite import Server, _write_section, bench_llama, free_port
 from mlx_nursery.actors import EngineSettings
 from mlx_nursery.actors.models import registry
 from mlx_nursery.server.pool import estimate
@@ -41,7 +40,7 @@ PROMPTS = ["The capital of France is", "Monday, Tuesday, Wednesday,", "def add(a
 
 
 def models() -> dict[str, str]:
-    llama = Path.home() / ".cache/mlx-nursery/bench-llama-30m"
+    llama = bench_llama()
     return {"smollm2": str(registry.DEFAULT.file), "gemma": str(registry.GEMMA3_270M.file),
             "llama30m": str(llama)}  # fmt: skip
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from pathlib import Path
 
 
 def timed(fn, runs: int = 30) -> float:
@@ -72,11 +71,11 @@ def no_attention(model):
 
 
 def main() -> None:
+    from benchsuite import bench_llama
     from mlx_lm import load
     from mlx_nursery.actors.step import ragged
 
-    default = Path.home() / ".cache/mlx-nursery/bench-llama-30m"
-    folder = sys.argv[1] if len(sys.argv) > 1 else default
+    folder = sys.argv[1] if len(sys.argv) > 1 else bench_llama()
     model, _ = load(str(folder))
     args = model.args
     heads, layers = args.num_attention_heads, args.num_hidden_layers

@@ -1,9 +1,10 @@
 """Build the benchmark model: a deterministic float32 llama of about 30M parameters
 with an 8,192-entry byte-level BPE tokenizer (every id decodes), into a cache
-directory (not committed). No network: the tokenizer is trained on a seeded
-synthetic corpus.
+directory (not committed) keyed by a hash of this builder and what trains it
+(``keyed.py``). No network: the tokenizer is trained on a seeded synthetic corpus.
 
-    python goldens/make_bench_model.py [--out DIR]    # default ~/.cache/mlx-nursery/bench-llama-30m
+    python goldens/make_bench_model.py [--out DIR]    # default: ensure()'s keyed folder
+    python goldens/make_bench_model.py --if-missing   # build once, print the folder
 
 ``--shardable`` builds its scale-out twin, ``bench-llama-30m-h12``: hidden 576 in
 12 attention heads and 6 KV heads of 48 dims (the 30M's 8 and 8 heads split 2
@@ -14,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from keyed import built, keyed_dir
 from make_models import CHAT_TEMPLATE, _weights
 from mlx_lm.utils import _get_classes
 
@@ -43,8 +44,10 @@ SHARDABLE = {**CONFIG, "hidden_size": 576, "num_attention_heads": 12, "num_key_v
 
 
 def default_dir(shardable: bool = False) -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "mlx-nursery" / ("bench-llama-30m-h12" if shardable else "bench-llama-30m")
+    """The cache folder keyed by this builder and the libraries that build it."""
+    name = "bench-llama-30m-h12" if shardable else "bench-llama-30m"
+    sources = [Path(__file__), Path(__file__).with_name("make_models.py")]
+    return keyed_dir(name, sources, SHARDABLE if shardable else CONFIG)
 
 
 def _corpus(rng: np.random.Generator, n_words: int = 200_000) -> list[str]:
@@ -108,11 +111,9 @@ def build(out: Path, base: dict = CONFIG) -> Path:
 
 
 def ensure(out: Path | None = None, shardable: bool = False) -> Path:
-    """The model directory, built once."""
-    out = out or default_dir(shardable)
-    if not (out / "model.safetensors").exists():
-        build(out, SHARDABLE if shardable else CONFIG)
-    return out
+    """The model directory, built once for what builds it."""
+    config = SHARDABLE if shardable else CONFIG
+    return built(out or default_dir(shardable), lambda folder: build(folder, config))
 
 
 def main() -> None:

@@ -4,27 +4,37 @@ BPE tokenizer and a 131,072-token context, so a coding agent's whole first
 request (Claude Code's is ~19k tokens of system prompt and tools) fits with the
 output it asks for. What it says is noise: the protocol is under test.
 
-The tokenizer is trained on the repository's own English: the clients' captured
-requests (tests/fixtures/clients/) and docs/. A tokenizer that knows that text
-keeps their prompts short, and the prefill (quadratic in length) cheap.
+The tokenizer is trained on a fixed corpus committed for the purpose
+(``corpus/client-english.json``: the strings of the clients' requests as they
+were captured): a tokenizer that knows that text keeps their prompts short, and
+the prefill (quadratic in length) cheap. Nothing it is built from changes with
+the docs or the code, and its cache is keyed by a hash of this file, its
+corpus and the libraries that train it (``keyed.py``).
 
-Its output head makes the end token likely (``EOS_GAIN``): a noise model would
-otherwise write until ``max_tokens`` (Claude Code asks 64,000), and a short
-answer is all the suite needs. No network.
+Its answers end by construction, never by luck: two residual dimensions carry
+constants the layer never writes (its attention and MLP outputs are zero there),
+one the same for every token, one that says whether the current token is the
+answer word (``WORD``). The output head reads only those two for the end token,
+the answer word and the JSON closers: after any other token the answer word wins,
+after the answer word the end token does. A free answer is the answer word, then
+the end; inside a grammar (a tool call's arguments, a schema), where the end
+token is masked, a string holds the word and closes, an object or array closes
+as soon as the grammar lets it. The other logits are the random model's noise,
+well below those (``check`` holds the margins at build time). No network.
 
-    python goldens/make_client_model.py [--out DIR]    # default ~/.cache/mlx-nursery/client-llama
+    python goldens/make_client_model.py [--out DIR]    # default: ensure()'s keyed folder
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from keyed import built, keyed_dir
 from make_models import CHAT_TEMPLATE, _weights
 from mlx_lm.utils import _get_classes
 
@@ -47,38 +57,26 @@ CONFIG = {
     "vocab_size": VOCAB,
     "tie_word_embeddings": False,
 }
-# The end token's row of the output head: this many times a fixed unit vector.
-# Other logits spread with a std of about 3 (so their max is about 12): the end
-# token wins at roughly one position in five. The quote and the closing brace get
-# a gain too, so a JSON string or object the grammar holds open (a tool call's
-# arguments, where the end token is masked) closes within a few tokens.
-EOS_GAIN = 15.0
-CLOSERS_GAIN = 13.0
-
-
-def default_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "mlx-nursery" / "client-llama"
-
-
-def _strings(value: object) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        return [s for v in value.values() for s in _strings(v)]
-    if isinstance(value, list):
-        return [s for v in value for s in _strings(v)]
-    return []
+# The two residual dimensions the answer's shape is written in (see the module
+# docstring), and the constant each carries: large beside the rest of the residual
+# (the random layer writes a std of about 17 there), so after the final norm they
+# hold most of it.
+CONSTANT, IS_WORD, CARRY = 0, 1, 64.0
+WORD = "ok"  # what a free answer says
+# The head's weight on the constant dimension, per token, in units of ``GAIN``; the
+# answer word also reads the word dimension (minus: high after any other token).
+GAIN = 6.0
+# The quote above the brackets: inside a JSON string a bracket is a character too,
+# and only the quote closes it.
+ROWS = {"end": 3.0, '"': 2.5, "}": 2.0, "]": 2.0}
+WORD_ROW = (2.0, -2.0)  # after another token 4.0, after itself 0.0
+MARGIN = 8.0  # the least a decision must win by, in logits (check)
+CORPUS = HERE / "corpus" / "client-english.json"
 
 
 def corpus() -> list[str]:
-    """The repository's English, in a fixed order."""
-    root = HERE.parent
-    texts = []
-    for path in sorted((root / "tests" / "fixtures" / "clients").glob("*.json")):
-        texts.extend(_strings(json.loads(path.read_text())))
-    texts.extend(p.read_text() for p in sorted((root / "docs").glob("*.md")))
-    return texts
+    """The committed corpus the tokenizer learns from."""
+    return json.loads(CORPUS.read_text())
 
 
 def build_tokenizer(path: Path) -> None:
@@ -99,34 +97,76 @@ def build_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
 
 
+def _shaped(weights: dict[str, mx.array], vocab: dict[str, int]) -> dict[str, mx.array]:
+    """The random weights with the answer's shape written in (module docstring)."""
+    w = {k: np.array(v) for k, v in weights.items()}
+    prefix = "model.layers.0."
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        w[prefix + name][[CONSTANT, IS_WORD]] = 0.0  # the layer never writes them
+    embed = w["model.embed_tokens.weight"]
+    embed[:, CONSTANT] = CARRY
+    embed[:, IS_WORD] = -CARRY
+    embed[vocab[WORD], IS_WORD] = CARRY
+    head = w["lm_head.weight"]
+    head[:, [CONSTANT, IS_WORD]] = 0.0
+    for name, weight in ROWS.items():
+        row = head[vocab["<|im_end|>" if name == "end" else name]]
+        row[:] = 0.0
+        row[CONSTANT] = GAIN * weight
+    row = head[vocab[WORD]]
+    row[:] = 0.0
+    row[CONSTANT], row[IS_WORD] = GAIN * WORD_ROW[0], GAIN * WORD_ROW[1]
+    return {k: mx.array(v) for k, v in w.items()}
+
+
+def check(model, vocab: dict[str, int]) -> None:
+    """Every position of a sample of the corpus decides as the docstring says, each
+    decision winning by ``MARGIN``: after the word the end token, after any other
+    the word; a quote beats every token outside the shape."""
+    special = {vocab[WORD], vocab["<|im_end|>"], *(vocab[n] for n in ROWS if n != "end")}
+    noise = np.array([i for i in range(model.args.vocab_size) if i not in special])
+    ids = [vocab.get(c, 0) for c in "".join(corpus()[:40])[:2000]]  # a byte-ish sample
+    ids = [*ids[:500], vocab[WORD], *ids[500:520], vocab[WORD], vocab[WORD]]
+    logits = np.array(model(mx.array([ids]))[0])
+    word, end, quote = vocab[WORD], vocab["<|im_end|>"], vocab['"']
+    for tok, row in zip(ids, logits, strict=True):
+        best = int(np.argmax(row))
+        want = end if tok == word else word
+        rest = np.delete(row, want)
+        if best != want or row[want] - rest.max() < MARGIN:
+            raise RuntimeError(f"client model: after token {tok} the {want} does not win by "
+                               f"{MARGIN} (best {best}, margin {row[want] - rest.max():.1f})")
+        if row[quote] - row[noise].max() < MARGIN:
+            raise RuntimeError(f"client model: a quote does not beat the noise by {MARGIN}")
+
+
 def build(out: Path) -> Path:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     build_tokenizer(out)
     vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
-    eos = vocab["<|im_end|>"]
-    config = {**CONFIG, "eos_token_id": eos, "vocab_size": max(VOCAB, len(vocab))}
+    config = {**CONFIG, "eos_token_id": vocab["<|im_end|>"],
+              "vocab_size": max(VOCAB, len(vocab))}  # fmt: skip
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    weights = _weights(model, 4040)
-    head = np.array(weights["lm_head.weight"])
-    unit = np.ones(CONFIG["hidden_size"], np.float32) / np.sqrt(CONFIG["hidden_size"])
-    head[eos] = EOS_GAIN * unit
-    for closer in ('"', "}"):
-        head[vocab[closer]] = CLOSERS_GAIN * unit
-    weights["lm_head.weight"] = mx.array(head)
+    weights = _shaped(_weights(model, 4040), vocab)
+    model.load_weights(list(weights.items()))
+    check(model, vocab)
     mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
     return out
 
 
+def default_dir() -> Path:
+    """The cache folder keyed by this builder, its corpus and what trains it."""
+    sources = [Path(__file__), HERE / "make_models.py", CORPUS]
+    return keyed_dir("client-llama", sources, CONFIG)
+
+
 def ensure(out: Path | None = None) -> Path:
-    """The model directory, built once."""
-    out = out or default_dir()
-    if not (out / "model.safetensors").exists():
-        build(out)
-    return out
+    """The model directory, built once for what builds it."""
+    return built(out or default_dir(), build)
 
 
 def main() -> None:
@@ -134,7 +174,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--if-missing", action="store_true", help="keep an existing build")
     args = parser.parse_args()
-    print(ensure(args.out) if args.if_missing else build(args.out or default_dir()))
+    out = args.out or default_dir()
+    print(ensure(out) if args.if_missing else build(out))
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def client_model() -> str:
     sys.path.insert(0, str(GOLDENS))
     from make_client_model import ensure
 
-    return str(ensure())
+    return f"client-llama={ensure()}"  # the name the clients are set up with
 
 
 async def test_the_captured_requests_get_2xx_from_a_server(client_model):

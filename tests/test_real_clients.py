@@ -7,8 +7,9 @@ fresh, their only base URL is the proxy's: nothing they do leaves this machine.
 
 The clients are pinned and installed once by `make clients` (part of `make
 test`) into ~/.cache/mlx-nursery/clients (or $MLX_NURSERY_CLIENTS). The model is
-a tiny noise model with a long context (goldens/make_client_model.py): the
-protocol is under test, not the answers.
+a tiny random model with a long context whose answers end by construction
+(goldens/make_client_model.py: a free answer is one word, a string in a call or
+a schema holds one word and closes): the protocol is under test, not the answers.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def client_model() -> str:
     sys.path.insert(0, str(GOLDENS))
     from make_client_model import ensure
 
-    return str(ensure())
+    return f"client-llama={ensure()}"  # the name the clients are set up with
 
 
 def claude_code(home: Path) -> Callable[[int], tuple[list[str], dict]]:
