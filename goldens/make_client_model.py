@@ -19,8 +19,9 @@ the answer word and the JSON closers: after any other token the answer word wins
 after the answer word the end token does. A free answer is the answer word, then
 the end; inside a grammar (a tool call's arguments, a schema), where the end
 token is masked, a string holds the word and closes, an object or array closes
-as soon as the grammar lets it. The other logits are the random model's noise,
-well below those (``check`` holds the margins at build time). No network.
+as soon as the grammar lets it; whitespace, which JSON allows between any two
+tokens, always loses. The other logits are the random model's noise, well
+below those (``check`` holds the margins at build time). No network.
 
     python goldens/make_client_model.py [--out DIR]    # default: ensure()'s keyed folder
 """
@@ -70,6 +71,10 @@ GAIN = 6.0
 # and only the quote closes it.
 ROWS = {"end": 3.0, '"': 2.5, "}": 2.0, "]": 2.0}
 WORD_ROW = (2.0, -2.0)  # after another token 4.0, after itself 0.0
+# Tokens of whitespace alone read the constant dimension negatively: a grammar
+# lets JSON hold whitespace between any two of its tokens, and a random model
+# that picks a space there picks it again after it, forever.
+SPACE_ROW = -2.0
 MARGIN = 8.0  # the least a decision must win by, in logits (check)
 CORPUS = HERE / "corpus" / "client-english.json"
 
@@ -97,7 +102,17 @@ def build_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
 
 
-def _shaped(weights: dict[str, mx.array], vocab: dict[str, int]) -> dict[str, mx.array]:
+def _spaces(path: Path) -> list[int]:
+    """The ids of the tokens that decode to whitespace alone."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    return [i for i in range(tok.get_vocab_size()) if not tok.decode([i]).strip()
+            and tok.id_to_token(i) not in SPECIALS]  # fmt: skip
+
+
+def _shaped(weights: dict[str, mx.array], vocab: dict[str, int],
+            spaces: list[int]) -> dict[str, mx.array]:  # fmt: skip
     """The random weights with the answer's shape written in (module docstring)."""
     w = {k: np.array(v) for k, v in weights.items()}
     prefix = "model.layers.0."
@@ -109,6 +124,8 @@ def _shaped(weights: dict[str, mx.array], vocab: dict[str, int]) -> dict[str, mx
     embed[vocab[WORD], IS_WORD] = CARRY
     head = w["lm_head.weight"]
     head[:, [CONSTANT, IS_WORD]] = 0.0
+    head[spaces] = 0.0
+    head[spaces, CONSTANT] = GAIN * SPACE_ROW
     for name, weight in ROWS.items():
         row = head[vocab["<|im_end|>" if name == "end" else name]]
         row[:] = 0.0
@@ -119,11 +136,12 @@ def _shaped(weights: dict[str, mx.array], vocab: dict[str, int]) -> dict[str, mx
     return {k: mx.array(v) for k, v in w.items()}
 
 
-def check(model, vocab: dict[str, int]) -> None:
+def check(model, vocab: dict[str, int], spaces: list[int]) -> None:
     """Every position of a sample of the corpus decides as the docstring says, each
     decision winning by ``MARGIN``: after the word the end token, after any other
-    the word; a quote beats every token outside the shape."""
-    special = {vocab[WORD], vocab["<|im_end|>"], *(vocab[n] for n in ROWS if n != "end")}
+    the word; a quote beats every token outside the shape, and every token
+    beats whitespace."""
+    special = {vocab[WORD], vocab["<|im_end|>"], *(vocab[n] for n in ROWS if n != "end"), *spaces}
     noise = np.array([i for i in range(model.args.vocab_size) if i not in special])
     ids = [vocab.get(c, 0) for c in "".join(corpus()[:40])[:2000]]  # a byte-ish sample
     ids = [*ids[:500], vocab[WORD], *ids[500:520], vocab[WORD], vocab[WORD]]
@@ -138,6 +156,8 @@ def check(model, vocab: dict[str, int]) -> None:
                                f"{MARGIN} (best {best}, margin {row[want] - rest.max():.1f})")
         if row[quote] - row[noise].max() < MARGIN:
             raise RuntimeError(f"client model: a quote does not beat the noise by {MARGIN}")
+        if row[noise].min() - row[spaces].max() < MARGIN:
+            raise RuntimeError(f"client model: whitespace does not lose to every token by {MARGIN}")
 
 
 def build(out: Path) -> Path:
@@ -150,9 +170,10 @@ def build(out: Path) -> Path:
               "vocab_size": max(VOCAB, len(vocab))}  # fmt: skip
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    weights = _shaped(_weights(model, 4040), vocab)
+    spaces = _spaces(out)
+    weights = _shaped(_weights(model, 4040), vocab, spaces)
     model.load_weights(list(weights.items()))
-    check(model, vocab)
+    check(model, vocab, spaces)
     mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
     return out
