@@ -23,7 +23,7 @@ import trio
 
 from .admission import release
 from .emitter import TokenOut, Tokens
-from .gpu import Gpu
+from .gpu import Gpu, Pending
 from .mailbox import closing
 from .prefill import Join
 from .prompt_cache import Put, worth_keeping
@@ -35,6 +35,7 @@ from .step.drafting import DRAFTERS
 from .step.kv import fit
 from .step.quantized import KvBits
 from .step.slots import Read
+from .step.syncs import Phases
 from .step.verify import Speculation, Verifier
 
 MAILBOX_SIZE = 4096
@@ -64,6 +65,7 @@ class StepResult:
     seconds: float
     copied: int  # KV bytes the joins of this turn copied
     refilled: int  # joiners written over retired slots this turn
+    phases: Phases | None  # a plain step's time by phase (None: no step, or a verify step)
 
 
 @attrs.frozen
@@ -130,6 +132,7 @@ def _advance(
     if compact:
         batch.compact()
     copied = batch.copied - before
+    batch.phases = None
     sampled = batch.step(waiting) if len(batch) else []
     if step % CLEAR_CACHE_EVERY == 0:
         mx.clear_cache()
@@ -137,9 +140,21 @@ def _advance(
     refilled = batch.refilled - refilled
     waste = batch.padding_waste()
     step_result = StepResult(
-        sampled, batch.layout(), batch.nbytes, waste, seconds, copied, refilled
+        sampled, batch.layout(), batch.nbytes, waste, seconds, copied, refilled, batch.phases
     )
     return AdvanceResult(step_result, saved)
+
+
+@attrs.frozen
+class Flight:
+    """A GPU turn queued and not yet settled: the call, when it was queued, and
+    the joiners of that turn that ended before joining (``saving``: those whose
+    KV goes to the prompt cache)."""
+
+    pending: Pending
+    submitted: float  # perf_counter()
+    gone: list[Row]
+    saving: list[Row]
 
 
 @attrs.define(eq=False)
@@ -153,6 +168,9 @@ class Decode:
     to_prompt_cache: trio.MemorySendChannel | None
     speculation: Speculation | None = None  # drafting (None: plain steps only)
     kv: KvBits | None = None  # KV quantization (docs/quantized-kv.md)
+    # Queue the next step before this one's tokens go out (docs/batching.md, "One
+    # step ahead"); off: each step waits until the last one's tokens are out.
+    pipeline: bool = True
     _batch: Batch = attrs.field(init=False)
     # DECODING rows in batch order; None: a retired slot (see step.batch.Batch.retire).
     _rows: list[Row | None] = attrs.field(factory=list, init=False)
@@ -161,6 +179,12 @@ class Decode:
     _retired_turns: int = attrs.field(default=0, init=False)  # turns with a retired slot
     _pausing: list[int] = attrs.field(factory=list, init=False)  # row ids asked to pause
     _waiting: bool = attrs.field(default=False, init=False)  # admission's last Backlog
+    # perf_counter() when the last step's result came back, while steps follow
+    # each other (None: the loop idled since, so the next gap is not a step's).
+    _returned: float | None = attrs.field(default=None, init=False)
+    _flight: Flight | None = attrs.field(default=None, init=False)  # the step queued
+    # Rows' last tokens read while a step was in flight: out once the rows have left.
+    _held: list[TokenOut] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._batch = self._new_batch()
@@ -173,13 +197,17 @@ class Decode:
         with closing(self.inbox, self.to_emitter, self.to_admission, self.to_prompt_cache):
             task_status.started()
             while True:
-                if not self._live() and not self._joining:
-                    self._take(await self.inbox.receive())
+                if not self._live() and not self._joining and self._flight is None:
+                    self._returned = None  # idle: the next step's gap is no step's
+                    try:
+                        self._take(await self.inbox.receive())
+                    except trio.EndOfChannel:  # every sender gone, nothing running
+                        return
                 while True:
                     try:
                         self._take(self.inbox.receive_nowait())
-                    except trio.WouldBlock:
-                        break
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break  # closed: what runs still runs to its end
                 await self._turn()
 
     def _take(self, message: Join | Cancel | Finish | Pause | Backlog) -> None:
@@ -200,9 +228,20 @@ class Decode:
                 raise TypeError(f"decode got an unexpected message: {message!r}")
 
     async def _turn(self) -> None:
-        await self._leave()
-        if self._pausing:
-            await self._pause()
+        """Settle the step in flight, queueing the next one before its tokens go
+        out where nothing must happen first (:meth:`_ahead`); with none in
+        flight, ending rows leave, asked rows pause, and a step is queued first."""
+        if self._flight is None:
+            await self._leave()
+            if self._pausing:
+                await self._pause()
+            if not await self._submit():
+                return
+        await self._settle()
+
+    async def _submit(self) -> bool:
+        """Take this turn's joiners and queue one GPU turn (joins, then a step) as
+        ``_flight``; False when nothing is left to run."""
         joins, self._joining = self._joining, []
         taking, joined, gone, saving = [], [], [], []
         for join in joins:
@@ -225,32 +264,71 @@ class Decode:
         if not joined and not self._live():
             if taking:
                 await self._drop_joiners(taking, gone, saving)
-            return
+            return False
         for row in joined:
             row.move(Phase.DECODING)
         self._rows.extend(joined)  # where they go is the batch's to say (the layout)
         self._turns += 1
         compact = self._compact_due(len(joined))
+        pending = self.gpu.submit(
+            _advance, self._batch, taking, self._turns, compact, self._waiting
+        )
+        self._flight = Flight(pending, time.perf_counter(), gone, saving)
+        return True
+
+    def _ahead(self) -> bool:
+        """Whether the next step may be queued before this one's tokens go out:
+        rows decode, and none is ending or asked to pause (their leave comes
+        first). Rows this step's tokens end ride one more step, their token
+        from it dropped and their KV cut back when they leave."""
+        live = self._live()
+        return (self.pipeline and bool(live) and not self._pausing
+                and all(r.end is None for r in live))  # fmt: skip
+
+    async def _settle(self) -> None:
+        """Await the step in flight and take its result: joiners that left, the
+        batch's new layout and figures, then its tokens out (the next step
+        already queued where :meth:`_ahead` lets it)."""
+        flight, self._flight = self._flight, None
         try:
-            result = await self.gpu.call(
-                _advance, self._batch, taking, self._turns, compact, self._waiting
-            )
+            result = await flight.pending.result()
         except Exception as exc:
-            await self._fault(exc)
-            for row in gone:
+            held, self._held = tuple(self._held), []
+            await self._fault(exc, held)
+            for row in flight.gone:
                 await self._free(row, announced=False)
             return
-        await self._freed_joiners(gone, saving, result.saved)
         step = result.step
+        self._time(step, flight.submitted, time.perf_counter())
+        await self._freed_joiners(flight.gone, flight.saving, result.saved)
         self._relayout(step.layout)
+        rows = list(self._rows)  # the slots this step's reads are in
         self._report(step.kv_bytes, step.padding_waste)
         if step.copied or step.refilled:
             self.stats.post(
                 Count(Metric.KV_COPIED_BYTES, step.copied), Count(Metric.REFILLED, step.refilled)
             )
-        await self._emit(step.sampled)
+        if self._ahead():
+            await self._submit()
+        await self._emit(rows, step.sampled)
         if step.sampled:  # counted once its tokens are out: scripts wait on this count
             self.stats.post(Count(Metric.STEPS), Observe(Metric.STEP_TIME, step.seconds))
+
+    def _time(self, step: StepResult, submitted: float, returned: float) -> None:
+        """A plain step's time by phase to stats: its GPU call's (build, wait,
+        read), the hand-off to the thread and back, and the event loop's turn
+        since the step before (when the loop went from one to the next)."""
+        before, self._returned = self._returned, returned
+        if step.phases is None:
+            return
+        loop = None if before is None else submitted - before
+        p = step.phases
+        self.stats.post(
+            Observe(Metric.HOST_BUILD, p.build), Observe(Metric.DEVICE_WAIT, p.wait),
+            Observe(Metric.HOST_READ, p.read),
+            Observe(Metric.HANDOFF, max(0.0, returned - submitted - step.seconds)),
+            *([Observe(Metric.LOOP_TURN, loop)] if loop is not None else []),
+        )  # fmt: skip
 
     async def _drop_joiners(
         self, taking: list[Joining], gone: list[Row], saving: list[Row]
@@ -270,12 +348,15 @@ class Decode:
         for row in gone:
             await self._free(row, announced=False)
 
-    async def _emit(self, reads: list[Read | None]) -> None:
+    async def _emit(self, rows: list[Row | None], reads: list[Read | None]) -> None:
+        """A step's tokens out, in ``rows``' slots; rows they end leave first (or,
+        with the next step in flight, once it has settled: their last tokens
+        wait in ``_held``)."""
         out = []
         drafted = dict.fromkeys(DRAFTERS, 0)
         kept = dict.fromkeys(DRAFTERS, 0)
         tokens = forwards = verified = 0
-        for row, read in zip(self._rows, reads, strict=True):
+        for row, read in zip(rows, reads, strict=True):
             if read is None or row is None:
                 continue
             if read.drafter is not None:
@@ -308,17 +389,26 @@ class Decode:
         )  # fmt: skip
         # Finished rows leave before their last event goes out: their KV is in the
         # prompt cache and their slot free by the time a client can follow up.
-        if await self._leave(pending=tuple(out)) and out:
-            await self.to_emitter.send(Tokens(tuple(out)))
+        if self._flight is None:
+            await self._leave(pending=tuple(out))
+            return
+        now = tuple(o for o in out if not o.ends)
+        self._held += [o for o in out if o.ends]
+        if now:
+            await self.to_emitter.send(Tokens(now))
 
-    async def _leave(self, pending: tuple[TokenOut, ...] = ()) -> bool:
+    async def _leave(self, pending: tuple[TokenOut, ...] = ()) -> None:
         """Rows that are ending leave now: out of the batch (their kept KV to the
         prompt cache), ``Ended`` to the emitter unless their last token in
-        ``pending`` carries the end, and their slot back to admission. False when
-        the batch failed instead (then :meth:`_fault` has sent ``pending``)."""
+        ``pending`` (or held) carries the end, and their slot back to admission;
+        then ``pending`` goes out. If the batch fails instead, :meth:`_fault`
+        sends it. Never with a step in flight."""
+        pending, self._held = (*self._held, *pending), []
         leave = [i for i, r in enumerate(self._rows) if r is not None and r.end is not None]
         if not leave:
-            return True
+            if pending:
+                await self.to_emitter.send(Tokens(pending))
+            return
         gone = [self._rows[i] for i in leave]
         save = [i for i in leave if self._keeps(self._rows[i])]
         lengths = [len(self._rows[i].prompt) + len(self._rows[i].tokens) for i in save]
@@ -326,7 +416,7 @@ class Decode:
             left = await self.gpu.call(_leave, self._batch, leave, save, lengths)
         except Exception as exc:
             await self._fault(exc, pending)
-            return False
+            return
         for i, caches in zip(save, left.saved, strict=True):
             row = self._rows[i]
             await self.to_prompt_cache.send(
@@ -336,7 +426,8 @@ class Decode:
         announced = {o.row.id for o in pending if o.ends}
         for row in gone:
             await self._free(row, announced=row.id in announced)
-        return True
+        if pending:
+            await self.to_emitter.send(Tokens(pending))
 
     async def _pause(self) -> None:
         """Rows admission asked to pause leave the batch with their KV and pending

@@ -54,7 +54,7 @@ from .stats import (
     Stats,
     StatsSnapshot,
 )
-from .step import fused, packed
+from .step import fused, packed, warmup
 from .step.drafting import DraftModel
 from .step.verify import Speculation
 from .stream import RequestStream
@@ -346,6 +346,8 @@ async def open_engine(
         if loaded is None:  # a follower rank: it followed rank 0 until that one closed
             yield None
             return
+        if loaded.settings.warmup and not loaded.sharded:
+            await _warm_up(gpu, loaded)
         engine, actors = await _build(gpu, loaded)
         async with _running(actors) as actors_scope:
             try:
@@ -414,6 +416,20 @@ async def _load(
             weights_bytes=info.weights_bytes + drafts.weights_bytes,
         )  # fmt: skip
     return _Loaded(loaded, tokenizer, info, settings, draft, sharded)
+
+
+async def _warm_up(gpu: Gpu, loaded: _Loaded) -> None:
+    """A first request's shapes run once before any request (``step.warmup``)."""
+    settings = loaded.settings
+    batching = _mode(settings.batch, loaded.info.batchable) is Mode.BATCH
+    rows = min(settings.batch, warmup.MAX_ROWS) if batching else 1
+    t0 = trio.current_time()
+    steps = await gpu.call(
+        warmup.warm_up, loaded.model, loaded.tokenizer, rows, settings.prefill_step_size,
+        settings.kv,
+    )  # fmt: skip
+    log.info("warmed up in %.2f s (%d decode steps, up to %d rows)",
+             trio.current_time() - t0, steps, rows)  # fmt: skip
 
 
 async def _build(gpu: Gpu, loaded: _Loaded) -> tuple[Engine, list[Any]]:
@@ -558,6 +574,7 @@ def _wire(
             inbox=boxes.dec.inbox,
             speculation=speculation,
             kv=settings.kv,
+            pipeline=settings.pipeline,
             **boxes.ends(),
         ),
         Serial(model, gpu, stats, steps, inbox=boxes.ser.inbox, kv=settings.kv, **boxes.ends()),

@@ -89,6 +89,41 @@ class DeviceLock:
 
 
 @attrs.define(eq=False)
+class Pending:
+    """A call :meth:`Gpu.submit` queued: its outcome, once the GPU thread has it,
+    for one caller to await. Like :meth:`Gpu.call`, awaiting it cannot abandon
+    the call: a cancelled caller waits it out."""
+
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _outcome: outcome.Outcome | None = attrs.field(default=None, init=False)
+    _waiter: tuple | None = attrs.field(default=None, init=False)  # (trio token, task)
+
+    def deliver(self, result: outcome.Outcome) -> None:
+        """The outcome (any thread): to the waiting task, or kept for it."""
+        with self._lock:
+            waiter, self._waiter = self._waiter, None
+            if waiter is None:
+                self._outcome = result
+        if waiter is not None:
+            token, task = waiter
+            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+    async def result(self) -> Any:
+        """The call's result (or its error), once it has run."""
+        with self._lock:
+            result = self._outcome
+            if result is None:
+                task = trio.lowlevel.current_task()
+                self._waiter = (trio.lowlevel.current_trio_token(), task)
+        if result is not None:
+            await trio.lowlevel.checkpoint()
+            return result.unwrap()
+        return await trio.lowlevel.wait_task_rescheduled(
+            lambda _raise_cancel: trio.lowlevel.Abort.FAILED
+        )
+
+
+@attrs.define(eq=False)
 class Gpu:
     name: str = "mlx-nursery-gpu"
     # Shared by the engines of one process: held by each call but a load's.
@@ -107,7 +142,8 @@ class Gpu:
     replica: Any = attrs.field(default=None, init=False)
     lost: str | None = attrs.field(default=None, init=False)  # why the ranks were lost
     stopping: bool = attrs.field(default=False, init=False)
-    _pending: dict = attrs.field(factory=dict, init=False)  # job id -> (token, task)
+    # job id -> (token, task) of a call's caller, or the Pending of a submitted one
+    _pending: dict = attrs.field(factory=dict, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
     _ids: Any = attrs.field(factory=itertools.count, init=False)
 
@@ -169,6 +205,22 @@ class Gpu:
         """Run ``fn(*args)`` on the GPU thread and return its result (or raise its error)."""
         return await self._call(fn, args, here=False)
 
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Pending:
+        """Queue ``fn(*args)`` as :meth:`call` does, without waiting: its outcome
+        is kept in the returned :class:`Pending` until the caller awaits it
+        (``await pending.result()``), so the event loop works while it runs."""
+        if self._thread is None:
+            raise RuntimeError("the GPU actor is not running")
+        pending = Pending()
+        if self.lost is not None:
+            pending.deliver(outcome.Error(RanksLost(self.lost)))
+            return pending
+        job_id = next(self._ids)
+        with self._lock:
+            self._pending[job_id] = pending
+        self._jobs.put((fn, args, functools.partial(self._deliver, job_id), False, True))
+        return pending
+
     async def call_here(self, fn: Callable[..., Any], *args: Any) -> Any:
         """As :meth:`call`, but never replayed on other ranks (host-side work)."""
         return await self._call(fn, args, here=True)
@@ -202,7 +254,9 @@ class Gpu:
         :meth:`lose` if that came first."""
         with self._lock:
             waiter = self._pending.pop(job_id, None)
-        if waiter is not None:
+        if isinstance(waiter, Pending):
+            waiter.deliver(result)
+        elif waiter is not None:
             token, task = waiter
             token.run_sync_soon(trio.lowlevel.reschedule, task, result)
 

@@ -264,6 +264,20 @@ class EngineSettings:
         "copy of the packed weights in memory. Where the bits differ (another BLAS or CPU), "
         "or off: mlx's matmul",
     )  # fmt: skip
+    pipeline: bool = setting(
+        True, validator=_boolean, parse=_on_off, shown="on",
+        help="the decode loop queues step n+1 on the GPU thread before it sends step n's "
+        "tokens out, so the event loop's turn (emitting, stop checks, stats) runs beside the "
+        "next step instead of between two; rows that end at step n ride step n+1, their "
+        "token from it dropped (docs/batching.md); off: one step at a time",
+    )  # fmt: skip
+    warmup: bool = setting(
+        True, validator=_boolean, parse=_on_off, shown="on",
+        help="before the engine takes requests (before a server's /health turns 200), run "
+        "what a first request runs, once, on scratch state: a prompt prefilled, decode steps "
+        "alone and at each batch size up to 8 (actors/step/warmup.py), so the first use of a "
+        "kernel, a compiled block or a shape never falls on the first user",
+    )  # fmt: skip
     speculative: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",
         help="speculative decoding in the continuous batch: rows draft tokens by n-gram "

@@ -176,6 +176,27 @@ class Metric(enum.Enum):
     TIME_TO_FIRST_TOKEN = (Kind.HISTOGRAM, "time_to_first_token_seconds", "Submit to first token.")
     QUEUE_WAIT = (Kind.HISTOGRAM, "queue_wait_seconds", "Submit to admission.")
     STEP_TIME = (Kind.HISTOGRAM, "decode_step_seconds", "GPU time of one continuous-lane step.")
+    # a plain decode step by phase (docs/batching.md, "The host's share")
+    HOST_BUILD = (
+        Kind.HISTOGRAM, "decode_host_build_seconds",
+        "A decode step's graph built and started on the GPU thread.",
+    )  # fmt: skip
+    DEVICE_WAIT = (
+        Kind.HISTOGRAM, "decode_device_wait_seconds",
+        "A decode step's one wait on the device, for the step before.",
+    )  # fmt: skip
+    HOST_READ = (
+        Kind.HISTOGRAM, "decode_host_read_seconds",
+        "A decode step's tokens, logprobs and rows read on the GPU thread.",
+    )  # fmt: skip
+    HANDOFF = (
+        Kind.HISTOGRAM, "decode_handoff_seconds",
+        "A decode step handed to the GPU thread and its result back to the event loop.",
+    )  # fmt: skip
+    LOOP_TURN = (
+        Kind.HISTOGRAM, "decode_loop_seconds",
+        "The event loop's turn between two decode steps (emitting, ends, stats).",
+    )  # fmt: skip
     PROMPT_CACHE_DISK_LOAD_TIME = (
         Kind.HISTOGRAM, "prompt_cache_disk_load_seconds",
         "Time to check and load one disk-tier entry.",
@@ -313,6 +334,42 @@ class PackedFigures:
 
 
 @attrs.frozen
+class HostFigures:
+    """The plain decode steps by phase, in ms, means since start: on the GPU
+    thread building the graph, waiting on the device, reading the step; the
+    hand-off to the thread and back; the event loop's turn between two steps.
+    All but the wait is the host's."""
+
+    steps: int
+    build_ms: float
+    wait_ms: float
+    read_ms: float
+    handoff_ms: float
+    loop_ms: float
+
+    @property
+    def step_ms(self) -> float:
+        return self.build_ms + self.wait_ms + self.read_ms + self.handoff_ms + self.loop_ms
+
+    @property
+    def host_ms(self) -> float:
+        return self.step_ms - self.wait_ms
+
+    @property
+    def share(self) -> float:
+        """The host's share of a step."""
+        return self.host_ms / self.step_ms if self.step_ms else 0.0
+
+    @classmethod
+    def of(cls, build: HistogramSnapshot, wait: HistogramSnapshot, read: HistogramSnapshot,
+           handoff: HistogramSnapshot, loop: HistogramSnapshot) -> HostFigures:  # fmt: skip
+        def ms(h: HistogramSnapshot) -> float:
+            return 1e3 * h.sum / h.count if h.count else 0.0
+
+        return cls(build.count, ms(build), ms(wait), ms(read), ms(handoff), ms(loop))
+
+
+@attrs.frozen
 class StatsSnapshot:
     """What ``engine.stats()`` returns."""
 
@@ -384,6 +441,11 @@ class StatsSnapshot:
     time_to_first_token: HistogramSnapshot
     queue_wait: HistogramSnapshot
     step_time: HistogramSnapshot
+    host_build: HistogramSnapshot
+    device_wait: HistogramSnapshot
+    host_read: HistogramSnapshot
+    handoff: HistogramSnapshot
+    loop_turn: HistogramSnapshot
     compiled: CompiledFigures | None = None  # None: --compile off
     packed: PackedFigures | None = None  # None: --packed-weights off, or nothing routed
 
@@ -401,6 +463,16 @@ class StatsSnapshot:
     def tokens_per_forward(self) -> float | None:
         """Tokens a row got per decode step it was in (1.0 without drafting)."""
         return self.decode_tokens / self.row_forwards if self.row_forwards else None
+
+    @property
+    def host(self) -> HostFigures:
+        """The plain decode steps' time by phase."""
+        return HostFigures.of(self.host_build, self.device_wait, self.host_read, self.handoff,
+                              self.loop_turn)  # fmt: skip
+
+    @property
+    def host_share(self) -> float:
+        return self.host.share
 
     @property
     def ledger_balanced(self) -> bool:
@@ -460,9 +532,16 @@ class Stats:
         with self._receive:
             task_status.started()
             async for messages in self._receive:
-                for message in messages:
-                    self._apply(message)
-                self._applied += 1
+                # Every post waiting is applied in this one turn: a decode step
+                # posts several, and a turn each would cost the loop a round each.
+                while True:
+                    for message in messages:
+                        self._apply(message)
+                    self._applied += 1
+                    try:
+                        messages = self._receive.receive_nowait()
+                    except trio.WouldBlock:
+                        break
                 self._changed.set()
                 self._changed = trio.Event()
 

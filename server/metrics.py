@@ -25,6 +25,8 @@ _SNAPSHOT_GAUGES = (
      "The batch's KV bytes over the tokens its rows hold (-1: no row)."),
     ("batch_kv_bytes_per_row", "batch_kv_bytes_per_row",
      "The batch's KV bytes over its rows (-1: no row)."),
+    ("host_share", "decode_host_share",
+     "The host's share of a plain decode step (all but its wait on the device), mean."),
 )  # fmt: skip
 
 
@@ -211,6 +213,9 @@ def stats_json(s: StatsSnapshot) -> dict:
         body["compiled"] = {**attrs.asdict(s.compiled), "share": s.compiled.share}
     if s.packed is not None:
         body["packed"] = {**attrs.asdict(s.packed), "share": s.packed.share}
+    host = s.host
+    body["host"] = {**attrs.asdict(host), "step_ms": host.step_ms, "host_ms": host.host_ms,
+                    "share": host.share}  # fmt: skip
     body["batch"] = {
         k: getattr(s, k)
         for k in (

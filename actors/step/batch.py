@@ -13,6 +13,7 @@ step in place of a plain one; the batch knows it only through that surface.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -34,7 +35,8 @@ from .kv import (
     write_row,
 )  # fmt: skip
 from .quantized import KvBits, arrays, first, quantized_kind
-from .slots import Read, Sampled, Slot, row_fault
+from .slots import LogprobReads, Read, Sampled, Slot, row_fault
+from .syncs import Phases, wait
 
 
 class Verifying(Protocol):
@@ -100,6 +102,7 @@ class Batch:
     # The running batch's drafting (None: plain steps only; a joiner's batch).
     verifier: Verifying | None = None
     kv: KvBits | None = None  # KV quantization (None: float KV)
+    phases: Phases | None = None  # the last plain step's time by phase (None: none yet)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -436,8 +439,15 @@ class Batch:
 
     def plain(self) -> list[Read | None]:
         """A plain step: feed each slot's pending token, sample the next, read the
-        pending ones (the verifier times it where the batch drafts)."""
+        pending ones (the verifier times it where the batch drafts). One wait on
+        the device: for the pending tokens, their logprobs where rows ask, while
+        the step just started runs. Whatever the read needs is queued before that
+        step, so the wait never waits for it too."""
+        t0 = time.perf_counter()
         current_lp = self.next_logprobs
+        reads = LogprobReads.of(self.slots, self.next_tokens, current_lp)
+        if reads is not None:
+            mx.async_eval(reads.arrays)
         clock = None
         if self.verifier is not None:
             clock = self.verifier.plain_clock(self)
@@ -445,10 +455,12 @@ class Batch:
         inputs, _ = self.forward()
         if clock is not None:
             self.verifier.plain_timed(self, clock)
-        mx.eval(inputs, current_lp)
+        built = time.perf_counter()
+        waited = wait(inputs, current_lp, reads.arrays if reads is not None else [])
         tokens = inputs.tolist()
+        read = reads.read() if reads is not None else {}
         out: list[Read | None] = []
-        for slot, token, lp in zip(self.slots, tokens, current_lp, strict=True):
+        for e, (slot, token) in enumerate(zip(self.slots, tokens, strict=True)):
             if slot.dead:
                 out.append(None)
                 continue
@@ -462,5 +474,7 @@ class Batch:
                 out.append(Read(()))
             else:
                 slot.counted(token)
-                out.append(Read((slot.sampled(token, lp),)))
+                logprob, top = read.get(e, (None, None))
+                out.append(Read((Sampled(token, logprob, top),)))
+        self.phases = Phases(built - t0, waited, time.perf_counter() - built - waited)
         return out

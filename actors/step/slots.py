@@ -126,6 +126,55 @@ def read_logprobs(
     return chosen, top
 
 
+@attrs.frozen
+class LogprobReads:
+    """The logprobs a step's rows asked for, as one graph for the whole batch:
+    each asking row's chosen token's logprob and its top-N (N the most any row
+    asks), read with the step's tokens in its one wait on the device."""
+
+    rows: list[int]  # the asking rows' batch indices
+    tops: list[int]  # how many alternatives each asks
+    chosen: mx.array  # (rows,)
+    top_ids: mx.array | None  # (rows, N), unordered
+    top_values: mx.array | None
+
+    @classmethod
+    def of(cls, slots: list[Slot], tokens: mx.array | None,
+           logprobs: list[mx.array]) -> LogprobReads | None:  # fmt: skip
+        """The reads for ``tokens`` (one a slot) under ``logprobs``; None when no
+        live slot asks."""
+        rows = [e for e, s in enumerate(slots) if s.params.wants_logprobs and not s.dead]
+        if not rows or tokens is None:
+            return None
+        lp = mx.stack([logprobs[e] for e in rows])
+        chosen = mx.take_along_axis(lp, tokens[mx.array(rows)][:, None], axis=-1)[:, 0]
+        tops = [slots[e].params.top_logprobs for e in rows]
+        ids = values = None
+        if k := max(tops):
+            ids = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+            values = mx.take_along_axis(lp, ids, axis=-1)
+        return cls(rows, tops, chosen, ids, values)
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.chosen, self.top_ids, self.top_values) if a is not None]
+
+    def read(self) -> dict[int, tuple[float, tuple[TopLogprob, ...] | None]]:
+        """Each asking row's (logprob, top-N) by batch index, as plain Python
+        (the arrays already evaluated)."""
+        chosen = self.chosen.tolist()
+        ids = self.top_ids.tolist() if self.top_ids is not None else None
+        values = self.top_values.tolist() if self.top_values is not None else None
+        out = {}
+        for i, (e, k) in enumerate(zip(self.rows, self.tops, strict=True)):
+            top = None
+            if k:
+                pairs = sorted(zip(ids[i], values[i], strict=True), key=lambda p: -p[1])[:k]
+                top = tuple(TopLogprob(int(t), float(v)) for t, v in pairs)
+            out[e] = (chosen[i], top)
+        return out
+
+
 @attrs.define(eq=False)
 class Slot:
     """One row inside a batch: its sampling state. Never holds prompt text."""
