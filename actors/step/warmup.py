@@ -11,7 +11,8 @@ It runs the engine's own code on scratch state, never the actors' (no row, no
 stats, no prompt cache): a prompt longer than a prefill chunk's C-softmax
 threshold prefilled and primed as a joiner is, plain decode steps alone, then,
 where the engine batches, one more row joined at a time up to ``rows`` with a
-step at each size. Its caches are dropped at the end.
+step at each size (forks of the one prefill: a real model's prefill is the
+warm-up's dearest part). Its caches are dropped at the end.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..request import SamplingParams
 from .joiner import Prefill
 from .quantized import KvBits
 
-PROMPT_TOKENS = 48  # past cpu_softmax.MIN_QUERIES in one chunk
+PROMPT_TOKENS = 40  # past cpu_softmax.MIN_QUERIES in one chunk
 STEPS = 3  # plain steps alone (the first of which reads the primed token)
 MAX_ROWS = 8  # the batch's row counts warmed, at most
 TEXT = "The quick brown fox jumps over the lazy dog while the sun rises over the hills. "
@@ -41,25 +42,24 @@ def prompt(tokenizer: Any, n: int = PROMPT_TOKENS) -> list[int]:
 def warm_up(model: Any, tokenizer: Any, rows: int, step_size: int,
             kv: KvBits | None = None) -> int:  # fmt: skip
     """Run a first request's shapes once (GPU thread); ``rows`` > 1: the batch's
-    row counts up to ``rows`` too. Returns the decode steps taken."""
+    row counts up to ``rows`` too, the other rows forks of the first one's
+    prefill (as a request's ``n`` choices are: one prefill, the KV copied as each
+    joins). Returns the decode steps taken."""
     ids = prompt(tokenizer)
     params = SamplingParams(max_tokens=STEPS + rows + 1)
-
-    def primed(offset: int):
-        job = Prefill(model, ids[offset:] + ids[:offset], params, step_size, kv=kv)
-        while job.remaining > 0:
-            job.chunk()
-        batch = job.prime()
-        batch.read_first()
-        return batch
-
-    batch = primed(0)
+    job = Prefill(model, ids, params, step_size, kv=kv)
+    job.forks = [Prefill(model, ids, params, step_size, kv=kv) for _ in range(rows - 1)]
+    while job.remaining > 0:
+        job.chunk()
+    primed = job.prime()
+    primed.read_first()
+    batch, *others = primed.forked()
     steps = 0
     for _ in range(STEPS):
         batch.step()
         steps += 1
-    for n in range(1, rows):
-        batch.join([primed(n)])
+    for other in others:
+        batch.join([other])
         batch.step()
         steps += 1
     mx.eval(batch.next_tokens)
