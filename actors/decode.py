@@ -5,9 +5,12 @@ derived from it, never kept beside it. Between steps it ends rows that asked to
 (``row.end`` set: by their own token, a routed :class:`Finish` or a
 :class:`Cancel`), by ``filter``; then joins primed rows (adopt, merge or extend
 by cache kind: see ``step.batch.Batch.join``); then runs one pipelined step, all in
-one GPU call. A row's end is decided by :meth:`Row.accept` for its tokens and
-by the first end request it gets; this actor then frees it: finished rows' KV
-to the prompt cache, the terminal to the emitter, the slot to admission.
+one GPU call. That call is queued (``_flight``) as soon as the last one is back
+and before its tokens go out, unless a leave or a pause must come first
+(:meth:`Decode._ahead`; docs/batching.md, "One step ahead"). A row's end is
+decided by :meth:`Row.accept` for its tokens and by the first end request it
+gets; this actor then frees it: finished rows' KV to the prompt cache, the
+terminal to the emitter, the slot to admission.
 
 A fault in the step cannot be blamed on one row: every row in the batch gets
 the error, the batch KV is dropped, and decoding goes on with whatever joins next.
