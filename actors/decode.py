@@ -281,11 +281,13 @@ class Decode:
 
     def _ahead(self) -> bool:
         """Whether the next step may be queued before this one's tokens go out:
-        rows decode, and none is ending or asked to pause (their leave comes
-        first). Rows this step's tokens end ride one more step, their token
-        from it dropped and their KV cut back when they leave."""
+        rows decode, none is ending or asked to pause (their leave comes first),
+        and no request waits for a slot. Rows this step's tokens end ride one
+        more step, their token from it dropped and their KV cut back when they
+        leave: their slot frees a step later, which a waiting request would
+        pay (a main agent's turn behind its sub-agents, docs/benchmarks.md)."""
         live = self._live()
-        return (self.pipeline and bool(live) and not self._pausing
+        return (self.pipeline and bool(live) and not self._pausing and not self._waiting
                 and all(r.end is None for r in live))  # fmt: skip
 
     async def _settle(self) -> None:
