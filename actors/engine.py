@@ -424,10 +424,14 @@ async def _warm_up(gpu: Gpu, loaded: _Loaded) -> None:
     batching = _mode(settings.batch, loaded.info.batchable) is Mode.BATCH
     rows = min(settings.batch, warmup.MAX_ROWS) if batching else 1
     t0 = trio.current_time()
-    steps = await gpu.call(
-        warmup.warm_up, loaded.model, loaded.tokenizer, rows, settings.prefill_step_size,
-        settings.kv,
-    )  # fmt: skip
+    try:
+        steps = await gpu.call(
+            warmup.warm_up, loaded.model, loaded.tokenizer, rows, settings.prefill_step_size,
+            settings.kv,
+        )  # fmt: skip
+    except Exception as exc:  # its scratch state only: requests will meet their own errors
+        log.warning("warm-up failed, serving unwarmed: %s: %s", type(exc).__name__, exc)
+        return
     log.info("warmed up in %.2f s (%d decode steps, up to %d rows)",
              trio.current_time() - t0, steps, rows)  # fmt: skip
 
