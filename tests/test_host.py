@@ -157,3 +157,14 @@ async def test_the_host_share_of_a_step_is_in_the_figures():
     text, _ = prometheus(snap)
     assert b"mlx_nursery_decode_host_share" in text
     assert b"mlx_nursery_decode_device_wait_seconds_count" in text
+
+
+async def test_a_warm_up_that_fails_leaves_the_engine_serving(monkeypatch, caplog):
+    def broken(*args):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(warmup, "warm_up", broken)
+    async with checked_engine("llama", batch=2, warmup=True) as engine:
+        result = await engine.generate("Hello there", max_tokens=4)
+    assert len(result.tokens) == 4
+    assert "warm-up failed, serving unwarmed: RuntimeError: no kernel" in caplog.text
