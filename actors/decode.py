@@ -188,6 +188,7 @@ class Decode:
     _flight: Flight | None = attrs.field(default=None, init=False)  # the step queued
     # Rows' last tokens read while a step was in flight: out once the rows have left.
     _held: list[TokenOut] = attrs.field(factory=list, init=False)
+    _uncounted: list[float] = attrs.field(factory=list, init=False)  # steps' seconds, to count
 
     def __attrs_post_init__(self) -> None:
         self._batch = self._new_batch()
@@ -315,9 +316,19 @@ class Decode:
             )
         if self._ahead():
             await self._submit()
+        if step.sampled:
+            self._uncounted.append(step.seconds)
         await self._emit(rows, step.sampled)
-        if step.sampled:  # counted once its tokens are out: scripts wait on this count
-            self.stats.post(Count(Metric.STEPS), Observe(Metric.STEP_TIME, step.seconds))
+        self._count_steps()
+
+    def _count_steps(self) -> None:
+        """Steps are counted once all their tokens are out (scripts wait on this
+        count): not while a row's last token is held."""
+        if self._held or not self._uncounted:
+            return
+        steps, self._uncounted = self._uncounted, []
+        self.stats.post(Count(Metric.STEPS, len(steps)),
+                        *(Observe(Metric.STEP_TIME, s) for s in steps))  # fmt: skip
 
     def _time(self, step: StepResult, submitted: float, returned: float) -> None:
         """A plain step's time by phase to stats: its GPU call's (build, wait,
@@ -413,6 +424,7 @@ class Decode:
         if not leave:
             if pending:
                 await self.to_emitter.send(Tokens(pending))
+            self._count_steps()
             return
         gone = [self._rows[i] for i in leave]
         save = [i for i in leave if self._keeps(self._rows[i])]
@@ -433,6 +445,7 @@ class Decode:
             await self._free(row, announced=row.id in announced)
         if pending:
             await self.to_emitter.send(Tokens(pending))
+        self._count_steps()
 
     async def _pause(self) -> None:
         """Rows admission asked to pause leave the batch with their KV and pending
@@ -527,3 +540,4 @@ class Decode:
             row.ask_end(End(FinishReason.ERROR, message))
             await self._free(row, announced=row.id in announced)
         self._report(0, 0.0)
+        self._count_steps()
