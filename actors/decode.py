@@ -173,7 +173,7 @@ class Decode:
     kv: KvBits | None = None  # KV quantization (docs/quantized-kv.md)
     # Queue the next step before this one's tokens go out (docs/batching.md, "One
     # step ahead"); off: each step waits until the last one's tokens are out.
-    pipeline: bool = True
+    pipeline: bool = False
     _batch: Batch = attrs.field(init=False)
     # DECODING rows in batch order; None: a retired slot (see step.batch.Batch.retire).
     _rows: list[Row | None] = attrs.field(factory=list, init=False)
