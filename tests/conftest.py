@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,38 @@ def model_cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv("MLX_NURSERY_CACHE", str(root))
     return root
+
+
+# A test that runs past this is taken for hung: its stacks and its name are
+# printed and the run stops (exit 1), rather than CI's whole time going to one
+# test (pyproject's faulthandler_timeout only dumps the stacks, every 300 s).
+TEST_LIMIT = float(os.environ.get("MLX_NURSERY_TEST_LIMIT", "900"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import faulthandler
+    import threading
+
+    def hung():
+        capture = item.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:
+            capture.suspend_global_capture(in_=True)
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.write(f"\n{item.nodeid} ran past {TEST_LIMIT} s, taken for hung: "
+                         "the run is stopped (its threads' stacks above)\n")  # fmt: skip
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(TEST_LIMIT, hung)
+    timer.daemon = True
+    timer.name = "test-watchdog"
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @pytest.fixture(params=FAMILIES)

@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import openai
 import trio
+import trio.testing
 from conftest import checked_engine, golden, running_server
 
 FAMILY = "llama"
@@ -95,6 +96,9 @@ async def test_constrained_and_free_rows_share_the_batch_and_the_free_ones_stay_
                 nursery.start_soon(run, i)
             while len(out) < 8:
                 await engine.wait_step(engine.steps + 1)
+                # every actor and run caught up: a last step's rows have their results
+                # (else the loop could wait for a step after the last one)
+                await trio.testing.wait_all_tasks_blocked()
                 seen.append(engine.stats().decoding_rows)
     assert max(seen) == 8, seen
     for i, result in out.items():
