@@ -36,28 +36,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from keyed import built, keyed_dir
-from make_models import CHAT_TEMPLATE, _weights
+from make_models import CHAT_TEMPLATE, ONE_LAYER, _weights
 from mlx_lm.utils import _get_classes
 
 HERE = Path(__file__).resolve().parent
 CONTEXT = 131072
 VOCAB = 16384
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    # One layer of one head: on a CPU, attention over a long prompt costs a score
-    # matrix per head and layer, and that is most of a 20k-token prefill.
-    "num_hidden_layers": 1,
-    "intermediate_size": 128,
-    "num_attention_heads": 1,
-    "num_key_value_heads": 1,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": CONTEXT,
-    "vocab_size": VOCAB,
-    "tie_word_embeddings": False,
-}
+CONFIG = {**ONE_LAYER, "max_position_embeddings": CONTEXT, "vocab_size": VOCAB,
+          "tie_word_embeddings": False}  # fmt: skip
 # The two residual dimensions the answer's shape is written in (see the module
 # docstring), and the constant each carries: large beside the rest of the residual
 # (the random layer writes a std of about 17 there), so after the final norm they

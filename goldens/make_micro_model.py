@@ -20,24 +20,13 @@ from pathlib import Path
 
 import mlx.core as mx
 from keyed import built, keyed_dir
-from make_models import _weights
+from make_models import ONE_LAYER, _weights
 from mlx_lm.utils import _get_classes
 
 HERE = Path(__file__).resolve().parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "num_hidden_layers": 1,
-    "intermediate_size": 128,
-    "num_attention_heads": 1,
-    "num_key_value_heads": 1,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 100000.0,
-    "max_position_embeddings": 8192,
-    "vocab_size": 49152,
-    "tie_word_embeddings": True,
-}
+CONFIG = {**ONE_LAYER, "rope_theta": 100000.0, "max_position_embeddings": 8192,
+          "vocab_size": 49152, "tie_word_embeddings": True}  # fmt: skip
 
 
 def smollm2() -> Path:

@@ -57,6 +57,13 @@ TEMPLATES = {"qwen3": TOOL_CHAT_TEMPLATE}
 
 _COMMON = {"vocab_size": VOCAB, "tie_word_embeddings": True, "eos_token_id": 258}
 
+# One llama layer of one head, hidden 64: the body of the scripted, client and micro
+# models, a forward that costs almost nothing (on a CPU, attention over a long
+# prompt is most of it: a score matrix per head and layer).
+ONE_LAYER = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
+             "intermediate_size": 128, "num_attention_heads": 1, "num_key_value_heads": 1,
+             "rms_norm_eps": 1e-5, "rope_theta": 10000.0}  # fmt: skip
+
 # Sizes keep each file well under 1 MB. The weight scale in `_weights` (3/sqrt(fan_in))
 # makes logits peaked, so greedy decoding sits far from argmax ties, and keeps the
 # random models from collapsing into one repeated token (1.5 did, for qwen3 and mamba2).

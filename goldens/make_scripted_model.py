@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 from family_fixtures import FIXTURES
 from family_fixtures import write_tokenizer as write_family_tokenizer
-from make_models import CONFIGS, SPECIALS, _weights, write_tokenizer
+from make_models import CONFIGS, ONE_LAYER, SPECIALS, _weights, write_tokenizer
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
@@ -32,12 +32,8 @@ HERE = Path(__file__).resolve().parent
 CONTEXT = 262144
 
 
-# A transformer body that costs what a tiny llama's forward does (one layer of one
-# head, as the client model: attention over a long prompt is most of it).
-BODY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
-        "num_attention_heads": 1, "num_key_value_heads": 1, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "max_position_embeddings": CONTEXT,
-        "tie_word_embeddings": True}  # fmt: skip
+# A transformer body that costs what a tiny llama's forward does.
+BODY = {**ONE_LAYER, "max_position_embeddings": CONTEXT, "tie_word_embeddings": True}
 
 
 def _tokenizer(out: Path, family: str | None) -> tuple[list, list, str]:
