@@ -5,8 +5,10 @@ derived from it, never kept beside it. Between steps it ends rows that asked to
 (``row.end`` set: by their own token, a routed :class:`Finish` or a
 :class:`Cancel`), by ``filter``; then joins primed rows (adopt, merge or extend
 by cache kind: see ``step.batch.Batch.join``); then runs one pipelined step, all in
-one GPU call. That call is queued (``_flight``) as soon as the last one is back
-and before its tokens go out, unless a leave or a pause must come first
+one GPU call. With ``pipeline`` at n, up to n such calls are queued
+(``_flights``): the next as soon as the oldest is back and before its tokens go
+out (at 2, the GPU thread goes from one step to the next without waiting for
+the event loop), unless a join, a leave or a pause must come first
 (:meth:`Decode._ahead`; docs/batching.md, "One step ahead"). A row's end is
 decided by :meth:`Row.accept` for its tokens and by the first end request it
 gets; this actor then frees it: finished rows' KV to the prompt cache, the
@@ -18,6 +20,7 @@ the error, the batch KV is dropped, and decoding goes on with whatever joins nex
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
@@ -150,14 +153,16 @@ def _advance(
 
 @attrs.frozen
 class Flight:
-    """A GPU turn queued and not yet settled: the call, when it was queued, and
-    the joiners of that turn that ended before joining (``saving``: those whose
-    KV goes to the prompt cache)."""
+    """A GPU turn queued and not yet settled: the call, when it was queued, the
+    joiners of that turn that ended before joining (``saving``: those whose KV
+    goes to the prompt cache), and the batch it runs on (a turn queued behind
+    one that failed ran on the batch the fault dropped: its result is void)."""
 
     pending: Pending
     submitted: float  # perf_counter()
     gone: list[Row]
     saving: list[Row]
+    batch: Batch
 
 
 @attrs.define(eq=False)
@@ -171,9 +176,10 @@ class Decode:
     to_prompt_cache: trio.MemorySendChannel | None
     speculation: Speculation | None = None  # drafting (None: plain steps only)
     kv: KvBits | None = None  # KV quantization (docs/quantized-kv.md)
-    # Queue the next step before this one's tokens go out (docs/batching.md, "One
-    # step ahead"); off: each step waits until the last one's tokens are out.
-    pipeline: bool = False
+    # Steps kept queued on the GPU thread, the next before this one's tokens go
+    # out (docs/batching.md, "One step ahead"); 0: each step waits until the
+    # last one's tokens are out.
+    pipeline: int = 1
     _batch: Batch = attrs.field(init=False)
     # DECODING rows in batch order; None: a retired slot (see step.batch.Batch.retire).
     _rows: list[Row | None] = attrs.field(factory=list, init=False)
@@ -185,7 +191,8 @@ class Decode:
     # perf_counter() when the last step's result came back, while steps follow
     # each other (None: the loop idled since, so the next gap is not a step's).
     _returned: float | None = attrs.field(default=None, init=False)
-    _flight: Flight | None = attrs.field(default=None, init=False)  # the step queued
+    # the GPU turns queued, oldest first (more than one: none but the first joins rows)
+    _flights: collections.deque[Flight] = attrs.field(factory=collections.deque, init=False)
     # Rows' last tokens read while a step was in flight: out once the rows have left.
     _held: list[TokenOut] = attrs.field(factory=list, init=False)
     _uncounted: list[float] = attrs.field(factory=list, init=False)  # steps' seconds, to count
@@ -201,7 +208,7 @@ class Decode:
         with closing(self.inbox, self.to_emitter, self.to_admission, self.to_prompt_cache):
             task_status.started()
             while True:
-                if not self._live() and not self._joining and self._flight is None:
+                if not self._live() and not self._joining and not self._flights:
                     self._returned = None  # idle: the next step's gap is no step's
                     try:
                         self._take(await self.inbox.receive())
@@ -232,10 +239,10 @@ class Decode:
                 raise TypeError(f"decode got an unexpected message: {message!r}")
 
     async def _turn(self) -> None:
-        """Settle the step in flight, queueing the next one before its tokens go
-        out where nothing must happen first (:meth:`_ahead`); with none in
-        flight, ending rows leave, asked rows pause, and a step is queued first."""
-        if self._flight is None:
+        """Settle the oldest step in flight, queueing the next ones before its
+        tokens go out where nothing must happen first (:meth:`_ahead`); with none
+        in flight, ending rows leave, asked rows pause, and a step is queued first."""
+        if not self._flights:
             await self._leave()
             if self._pausing:
                 await self._pause()
@@ -244,8 +251,8 @@ class Decode:
         await self._settle()
 
     async def _submit(self) -> bool:
-        """Take this turn's joiners and queue one GPU turn (joins, then a step) as
-        ``_flight``; False when nothing is left to run."""
+        """Take this turn's joiners and queue one GPU turn (joins, then a step) on
+        ``_flights``; False when nothing is left to run."""
         joins, self._joining = self._joining, []
         taking, joined, gone, saving = [], [], [], []
         for join in joins:
@@ -277,30 +284,39 @@ class Decode:
         pending = self.gpu.submit(
             _advance, self._batch, taking, self._turns, compact, self._waiting
         )
-        self._flight = Flight(pending, time.perf_counter(), gone, saving)
+        self._flights.append(Flight(pending, time.perf_counter(), gone, saving, self._batch))
         return True
 
     def _ahead(self) -> bool:
-        """Whether the next step may be queued before this one's tokens go out:
-        rows decode, none is ending or asked to pause (their leave comes first),
-        and no request waits for a slot. Rows this step's tokens end ride one
-        more step, their token from it dropped and their KV cut back when they
-        leave: their slot frees a step later, which a waiting request would
-        pay (a main agent's turn behind its sub-agents, docs/benchmarks.md)."""
+        """Whether another step may be queued before this one's tokens go out:
+        fewer than ``pipeline`` are, rows decode, none is ending or asked to pause
+        (their leave comes first), no request waits for a slot, and no joiner
+        waits while a step is in flight (a joiner's rows take their slots in the
+        layout the step before it returns). Rows this step's tokens end ride the
+        steps already queued, their tokens from them dropped and their KV cut
+        back when they leave: their slot frees later, which a waiting request
+        would pay (a main agent's turn behind its sub-agents, docs/benchmarks.md)."""
         live = self._live()
-        return (self.pipeline and bool(live) and not self._pausing and not self._waiting
+        return (len(self._flights) < self.pipeline and bool(live)
+                and not self._pausing and not self._waiting
+                and not (self._joining and self._flights)
                 and all(r.end is None for r in live))  # fmt: skip
 
     async def _settle(self) -> None:
-        """Await the step in flight and take its result: joiners that left, the
+        """Await the oldest step in flight and take its result: joiners that left, the
         batch's new layout and figures, then its tokens out (the next step
         already queued where :meth:`_ahead` lets it)."""
-        flight, self._flight = self._flight, None
+        flight = self._flights.popleft()
+        fault = None
         try:
             result = await flight.pending.result()
         except Exception as exc:
-            held, self._held = tuple(self._held), []
-            await self._fault(exc, held)
+            fault = exc
+        void = flight.batch is not self._batch  # queued on a batch that failed since
+        if fault is not None or void:
+            if not void:  # this batch failed: every row in it fails
+                held, self._held = tuple(self._held), []
+                await self._fault(fault, held)
             for row in flight.gone:
                 await self._free(row, announced=False)
             return
@@ -314,8 +330,8 @@ class Decode:
             self.stats.post(
                 Count(Metric.KV_COPIED_BYTES, step.copied), Count(Metric.REFILLED, step.refilled)
             )
-        if self._ahead():
-            await self._submit()
+        while self._ahead() and await self._submit():
+            pass
         if step.sampled:
             self._uncounted.append(step.seconds)
         await self._emit(rows, step.sampled)
@@ -333,16 +349,20 @@ class Decode:
     def _time(self, step: StepResult, submitted: float, returned: float) -> None:
         """A plain step's time by phase to stats: its GPU call's (build, wait,
         read), the hand-off to the thread and back, and the event loop's turn
-        since the step before (when the loop went from one to the next)."""
+        since the step before (when the loop went from one to the next). A step
+        queued while the one before still ran waited for no loop: its loop turn
+        is 0 and its hand-off what its period (return to return) has beyond its
+        call, the part of the host's work the queue did not hide."""
         before, self._returned = self._returned, returned
         if step.phases is None:
             return
-        loop = None if before is None else submitted - before
+        loop = None if before is None else max(0.0, submitted - before)
+        start = submitted if before is None else max(submitted, before)
         p = step.phases
         self.stats.post(
             Observe(Metric.HOST_BUILD, p.build), Observe(Metric.DEVICE_WAIT, p.wait),
             Observe(Metric.HOST_READ, p.read),
-            Observe(Metric.HANDOFF, max(0.0, returned - submitted - step.seconds)),
+            Observe(Metric.HANDOFF, max(0.0, returned - start - step.seconds)),
             *([Observe(Metric.LOOP_TURN, loop)] if loop is not None else []),
         )  # fmt: skip
 
@@ -405,7 +425,7 @@ class Decode:
         )  # fmt: skip
         # Finished rows leave before their last event goes out: their KV is in the
         # prompt cache and their slot free by the time a client can follow up.
-        if self._flight is None:
+        if not self._flights:
             await self._leave(pending=tuple(out))
             return
         now = tuple(o for o in out if not o.ends)

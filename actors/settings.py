@@ -85,6 +85,22 @@ def _on_off(text: str) -> bool:
     return word in ("on", "true")
 
 
+def _depth(text: str) -> int:
+    """``off``, ``on`` (1) or a number of steps."""
+    word = text.strip().lower()
+    if word in ("on", "off", "true", "false"):
+        return int(_on_off(word))
+    try:
+        return int(word)
+    except ValueError:
+        raise ValueError(f"expected on, off or a number of steps, got {text!r}") from None
+
+
+def _steps(value: Any) -> Any:
+    """True and False as 1 and 0 steps (the setting was on or off)."""
+    return int(value) if isinstance(value, bool) else value
+
+
 def _boolean(_, attribute, value) -> None:
     if not isinstance(value, bool):
         raise InvalidRequest(
@@ -264,13 +280,15 @@ class EngineSettings:
         "copy of the packed weights in memory. Where the bits differ (another BLAS or CPU), "
         "or off: mlx's matmul",
     )  # fmt: skip
-    pipeline: bool = setting(
-        False, validator=_boolean, parse=_on_off, shown="off",
-        help="on: the decode loop queues step n+1 on the GPU thread before it sends step n's "
-        "tokens out, so the event loop's turn (emitting, stop checks, stats) runs beside the "
-        "next step instead of between two; rows that end at step n ride step n+1, their "
-        "token from it dropped (docs/batching.md). Off by default until a hang it met once "
-        "in the suite (constrained rows beside free ones) is found; off: one step at a time",
+    pipeline: int = setting(
+        1, validator=_at_least(0), parse=_depth, shown="on", converter=_steps,
+        help="how many decode steps the loop keeps queued on the GPU thread. on (1): the next "
+        "step is queued before the last one's tokens go out, so the event loop's turn "
+        "(emitting, stop checks, stats) runs beside it; 2: the thread goes from step to step "
+        "without waiting for the loop at all, and a row joins two steps later than with 1 "
+        "(the batch-scenario goldens are played at 1). Rows that end ride the steps already "
+        "queued, their tokens from them dropped and their KV cut back (docs/batching.md). "
+        "off (0): one step at a time",
     )  # fmt: skip
     warmup: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",

@@ -225,7 +225,10 @@ async def test_a_raising_consumer_loses_only_its_own_row():
     assert engine.stats().cancelled == 1
 
 
-async def test_a_forward_fault_fails_the_batch_and_the_next_request_is_served():
+@pytest.mark.parametrize("pipeline", [0, 1, 2])
+async def test_a_forward_fault_fails_the_batch_and_the_next_request_is_served(pipeline):
+    """With steps queued behind the one that fails too (``--pipeline 2``): they
+    ran on the batch the fault dropped, and their results are void."""
     model, tokenizer = loaded(FAMILY)
     faulty = FaultyModel(model)
     cases = serial_cases()
@@ -237,7 +240,7 @@ async def test_a_forward_fault_fails_the_batch_and_the_next_request_is_served():
         except GenerationFailed as exc:
             errors.append(str(exc))
 
-    async with checked_engine((faulty, tokenizer), batch=4) as engine:
+    async with checked_engine((faulty, tokenizer), batch=4, pipeline=pipeline) as engine:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run, "sentence")
             nursery.start_soon(run, "chat")
