@@ -136,26 +136,44 @@ def _parse_mistral(body: str, tools: Sequence) -> Parsed:
     return [(match.group(1), _whole_json(body[match.end() :]))]
 
 
-def _parse_objects(body: str, key: str, separators: str = ";") -> Parsed:
-    """JSON objects ``{"name": N, key: {..}}`` one after another (between them
-    only whitespace and ``separators``): their arguments as written."""
-    found, at = [], 0
-    text = body.strip()
+def _objects(text: str, key: str, separators: str) -> Any:
+    """Each call object ``{"name": N, key: {..}}`` of ``text`` in turn (between
+    them only whitespace and ``separators``): (name, arguments as written) and
+    where the object ends; ValueError at one that does not read."""
+    at = 0
     while True:
         while at < len(text) and (text[at].isspace() or text[at] in separators):
             at += 1
         if at == len(text):
-            break
+            return
         whole, obj, end = json_object_at(text, at)
         name, args = obj.get("name"), obj.get(key, obj.get("arguments", {}))
         extra = set(obj) - {"name", key, "arguments"}
         if not isinstance(name, str) or not isinstance(args, dict) or extra:
             raise ValueError("not a call object")
-        found.append((name, _value_text(whole, key if key in obj else "arguments")))
+        yield (name, _value_text(whole, key if key in obj else "arguments")), end
         at = end
+
+
+def _parse_objects(body: str, key: str, separators: str = ";") -> Parsed:
+    """JSON call objects one after another: their arguments as written."""
+    found = [call for call, _ in _objects(body.strip(), key, separators)]
     if not found:
         raise ValueError("no call")
     return found
+
+
+def complete_objects(
+    body: str, key: str = "parameters", separators: str = ";"
+) -> tuple[Parsed, str]:
+    """An answer of call objects (Llama 3's) that ``max_tokens`` cut short: the
+    whole objects before the cut, and the rest (the one being written)."""
+    text, found, rest = body.strip(), [], 0
+    with contextlib.suppress(ValueError):  # the cut object (json's errors are ValueErrors)
+        for call, end in _objects(text, key, separators):
+            found.append(call)
+            rest = end
+    return found, text[rest:].lstrip(separators + " \n\t")
 
 
 def _value_text(whole: str, key: str) -> str:

@@ -26,7 +26,16 @@ import jsonschema
 
 from .constrain import loosen
 from .errors import InvalidRequest
-from .families import BY_NAME, DECODER, Family, Lit, family_of, guided, hermes_schema
+from .families import (
+    BY_NAME,
+    DECODER,
+    Family,
+    Lit,
+    complete_objects,
+    family_of,
+    guided,
+    hermes_schema,
+)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -356,9 +365,11 @@ class ToolScanner:
         if not final:
             return "", []
         body, self.text = self.text, ""
-        if cut:
-            self.cut = body
-            return "", []
+        if cut:  # the calls whole before the cut are the answer's; the cut one is dropped
+            found, rest = complete_objects(body.strip().removeprefix("<|python_tag|>"))
+            calls = self._read(found)
+            self.cut = body if calls is None else rest
+            return "", calls or []
         calls = self._parse(body.strip().removeprefix("<|python_tag|>"))
         return (body, []) if calls is None else ("", calls)
 
@@ -367,6 +378,11 @@ class ToolScanner:
             found = self.format.family.parse(body, list(self.tools or ()))
         except Exception:  # a parser's own error: the text stays text
             return None
+        return self._read(found)
+
+    def _read(self, found: Sequence) -> list[ToolCall] | None:
+        """The calls parsed, checked against the request's tools; None where
+        there is none or one does not meet its tool."""
         calls = [self.checked(name, args) for name, args in found]
         if not calls or None in calls:
             return None

@@ -326,6 +326,24 @@ def test_xml_calls_read_in_any_pieces(pieces):
     )
 
 
+@pytest.mark.parametrize("pieces", [1, 9])
+def test_calls_whole_before_a_cut_are_kept_and_the_cut_one_dropped(pieces):
+    """``max_tokens`` cuts the second call: the first, whole, is the answer's
+    (the emitter keeps ``length`` as the finish); the cut one is neither a call
+    nor text. Llama 3 writes its calls as the whole answer, one object after
+    another; the tagged families, a block each."""
+    first = '{"name": "Read", "parameters": {"path": "a.txt", "limit": 3}}'
+    for cut_at in ('; {"name": "Gr', "; ", ';{"name": "Grep", "parameters": {"pattern": "TO'):
+        assert scan("llama3", first + cut_at, cut=True, pieces=pieces) == (
+            "", [("Read", {"path": "a.txt", "limit": 3})]
+        ), cut_at
+    assert scan("llama3", '{"name": "Read", "param', cut=True, pieces=pieces) == ("", [])
+    read = [("Read", {"path": "a.txt", "limit": 3})]
+    assert scan("qwen3_coder", XML + XML[:40], cut=True, pieces=pieces) == ("", read)
+    mistral = '[TOOL_CALLS]Read[ARGS]{"path": "a.txt", "limit": 3}'
+    assert scan("mistral", mistral + mistral[:20], cut=True, pieces=pieces) == ("", read)
+
+
 def test_bad_markup_stays_text():
     truncated = XML[: XML.index("</function>")]
     assert scan("qwen3_coder", "Hi." + truncated) == ("Hi." + truncated, [])  # ended inside
