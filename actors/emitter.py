@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from typing import Any
 
 import attrs
 import trio
@@ -85,6 +86,48 @@ class _Delivery:
     harmony: HarmonySplitter | None = None  # gpt-oss: channels are content, reasoning, calls
     stop_sequence: str | None = None  # the stop string that ended the row
     fault: str | None = None  # what went wrong in this row's delivery
+    # the tokenizer's control tokens left out of content and reasoning (None: kept)
+    plain: tuple[SpecialText, SpecialText] | None = None
+
+
+@attrs.define(eq=False)
+class SpecialText:
+    """One stream of a row's text (content or reasoning) without the tokenizer's
+    control tokens (``<|start|>``, ``[TOOL_CALLS]``, DeepSeek's pad): what the
+    family's parser did not consume (a lone token, a malformed block kept as
+    text) is left out, as vLLM's ``skip_special_tokens`` does. A piece that may
+    begin one is held until the next piece or the end."""
+
+    specials: tuple[str, ...]  # longest first
+    starts: frozenset[str]  # their first characters
+    held: str = ""
+
+    @classmethod
+    def of(cls, specials: tuple[str, ...]) -> SpecialText:
+        return cls(specials, frozenset(s[0] for s in specials))
+
+    def feed(self, text: str, *, final: bool = False) -> str:
+        text, self.held = self.held + text, ""
+        if not self.starts.intersection(text):
+            return text
+        for special in self.specials:
+            if special in text:
+                text = text.replace(special, "")
+        if not final:
+            keep = max(held_prefix(text, s) for s in self.specials)
+            text, self.held = text[: len(text) - keep], text[len(text) - keep :]
+        return text
+
+
+def special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The tokenizer's control tokens as text, longest first: its special tokens
+    and the added tokens it marks special."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    found = set(getattr(hf, "all_special_tokens", ()) or ())
+    for added in (getattr(hf, "added_tokens_decoder", None) or {}).values():
+        if getattr(added, "special", False):
+            found.add(str(added.content))
+    return tuple(sorted((s for s in found if s), key=lambda s: (-len(s), s)))
 
 
 def _split_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str, bool]:
@@ -117,10 +160,12 @@ class Emitter:
     _rows: dict[int, _Delivery] = attrs.field(factory=dict, init=False)
     # gpt-oss: every row's text is read by its Harmony channels (known once, at start)
     _harmony: bool = attrs.field(init=False)
+    _specials: tuple[str, ...] = attrs.field(init=False)  # special_texts(tokenizer)
 
     def __attrs_post_init__(self) -> None:
         family = family_of(self.tokenizer)
         self._harmony = family is not None and family.name == "harmony"
+        self._specials = special_texts(self.tokenizer)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with self.inbox, self.to_admission:
@@ -154,6 +199,8 @@ class Emitter:
             d.tools, d.harmony = tools, HarmonySplitter(tools.harmony_call)
         elif self.think is not None:
             d.thinking = ReasoningScanner(*self.think, inside=row.starts_thinking)
+        if self._specials and row.params.skip_special_tokens:
+            d.plain = (SpecialText.of(self._specials), SpecialText.of(self._specials))
         return d
 
     @staticmethod
@@ -164,11 +211,15 @@ class Emitter:
         ended at max_tokens (a call it was opening is dropped, never shown)."""
         reasoning, calls = "", []
         if d.harmony is not None:
-            return d.harmony.feed(text, final=final, cut=cut)
-        if d.thinking is not None:
-            text, reasoning = d.thinking.feed(text, final=final)
-        if d.tools is not None:
-            text, calls = d.tools.feed(text, final=final, cut=cut)
+            text, reasoning, calls = d.harmony.feed(text, final=final, cut=cut)
+        else:
+            if d.thinking is not None:
+                text, reasoning = d.thinking.feed(text, final=final)
+            if d.tools is not None:
+                text, calls = d.tools.feed(text, final=final, cut=cut)
+        if d.plain is not None:
+            content, thoughts = d.plain
+            text, reasoning = content.feed(text, final=final), thoughts.feed(reasoning, final=final)
         return text, reasoning, calls
 
     def _token(self, item: TokenOut) -> int:

@@ -201,6 +201,9 @@ class SamplingParams:
     )
     logit_bias: Mapping[int, float] | None = attrs.field(default=None, converter=_logit_bias)
     logprobs: bool = attrs.field(default=False, validator=_flag)
+    # True: the tokenizer's control tokens are left out of the text (the HTTP
+    # routes' default, as vLLM's); False: mlx-lm's text, as the model wrote it.
+    skip_special_tokens: bool = attrs.field(default=False, validator=_flag)
     top_logprobs: int = attrs.field(default=0, validator=_integer(0, MAX_TOP_LOGPROBS))
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_ids)

@@ -25,6 +25,16 @@ def golden(family: str) -> dict:
     return json.loads((GOLDENS / "tokens" / f"{family}.json").read_text())
 
 
+def served(text: str) -> str:
+    """A golden's text (mlx-lm's) as a client reads it over HTTP: without the
+    golden tokenizers' control tokens (docs/http.md)."""
+    from make_models import SPECIALS
+
+    for special in SPECIALS:
+        text = text.replace(special, "")
+    return text
+
+
 @pytest.fixture
 def model_cache(tmp_path, monkeypatch) -> Path:
     """A fresh model cache (``MLX_NURSERY_CACHE``): converted and downloaded models."""

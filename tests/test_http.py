@@ -427,3 +427,37 @@ def test_a_plain_text_frame_is_the_chunk_it_stands_for(kind):
     assert fast.offset == full.offset
     assert not fast.plain(Event(3, "x", logprob=-0.5))
     assert not fast.plain(Event(None, "", finish_reason=FinishReason.STOP))
+
+
+async def test_control_tokens_are_left_out_of_the_text_unless_asked_for():
+    """The golden llama's 'long' answer holds its tokenizer's ``<|endoftext|>``
+    mid-text (mlx-lm's own text has it): a client reads the text without it,
+    streamed and not, unless it sends ``skip_special_tokens: false`` (vLLM's
+    field); the tokens are the same either way."""
+    case = CASES["long"]
+    assert "<|endoftext|>" in case["text"]
+    plain = case["text"].replace("<|endoftext|>", "")
+    body = {"model": "llama", "prompt": case["prompt_ids"], "max_tokens": case["max_tokens"]}
+    with trio.fail_after(TIMEOUT):
+        async with running_server() as (url, _), httpx.AsyncClient(base_url=url) as client:
+            for extra, want in (({}, plain), ({"skip_special_tokens": False}, case["text"])):
+                r = await client.post("/v1/completions", json={**body, **extra})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == want, extra
+                r = await client.post("/v1/completions", json={**body, **extra, "stream": True})
+                events = await sse_events(r)
+                assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want, extra
+            r = await client.post("/v1/completions", json={**body, "skip_special_tokens": "no"})
+            assert r.status_code == 400 and "skip_special_tokens" in r.text, r.text
+
+
+def test_a_control_token_split_across_pieces_is_held_then_left_out():
+    from mlx_nursery.actors.emitter import SpecialText
+
+    text = SpecialText.of(("<|im_start|>", "<|endoftext|>"))
+    pieces = ["Hi <", "|endof", "text|> there <|", "im_start|><", "b>"]
+    out = [text.feed(p) for p in pieces]
+    assert out == ["Hi ", "", " there ", "", "<b>"], out
+    assert "".join(out) + text.feed("", final=True) == "Hi  there <b>"
+    held = SpecialText.of(("<|im_start|>",))
+    assert held.feed("a <|im") == "a " and held.feed("", final=True) == "<|im"

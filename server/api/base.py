@@ -254,7 +254,9 @@ def request_of(
     headers = headers if headers is not None else {}
     return Request(
         prompt,
-        params,
+        # What a client reads never carries the tokenizer's control tokens unless it
+        # asks (vLLM's field; the engine's own default keeps mlx-lm's text).
+        {"skip_special_tokens": True, **params},
         request_id=headers.get(REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex[:16]}",
         session=session_of(headers, *hints),
         parent=headers.get(PARENT_HEADER),

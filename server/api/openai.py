@@ -31,7 +31,7 @@ from .base import (
 _SAMPLING = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "stop", "logit_bias", "response_format",
-    "speculative",
+    "speculative", "skip_special_tokens",
 )  # fmt: skip
 
 

@@ -9,7 +9,15 @@ import httpx
 import pytest
 import trio
 import trio.lowlevel
-from conftest import FaultyModel, checked_engine, golden, loaded, running_server, sse_events
+from conftest import (
+    FaultyModel,
+    checked_engine,
+    golden,
+    loaded,
+    running_server,
+    served,
+    sse_events,
+)
 from mlx_nursery.actors import GenerationFailed
 
 FAMILY = "llama"
@@ -146,7 +154,7 @@ async def test_over_http_a_row_whose_text_fails_gets_an_error_event_and_the_othe
     poison = 200  # forced into the victim's stream with logit_bias; never in the goldens
     assert all(poison not in c["tokens"] for c in prompts8())
     fake = FaultyDetokenizerTokenizer(tokenizer, poison)
-    expected = {i: c["text"] for i, c in enumerate(prompts8())}
+    expected = {i: served(c["text"]) for i, c in enumerate(prompts8())}
     with trio.fail_after(120):
         async with running_server(model=(model, fake)) as (url, _):
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -203,4 +211,4 @@ async def test_over_http_a_forward_fault_ends_all_eight_streams_within_a_second(
     assert len(ended) == 8 and max(ended.values()) - armed < 1.0
     for i, events in after.items():
         text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
-        assert text == prompts8()[i]["text"], f"row {i}"
+        assert text == served(prompts8()[i]["text"]), f"row {i}"
