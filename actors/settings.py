@@ -285,7 +285,7 @@ class EngineSettings:
         help="how many decode steps the loop keeps queued on the GPU thread. on (1): the next "
         "step is queued before the last one's tokens go out, so the event loop's turn "
         "(emitting, stop checks, stats) runs beside it; 2: the thread goes from step to step "
-        "without waiting for the loop at all, and a row joins two steps later than with 1 "
+        "without waiting for the loop at all, and a row joins a step later than at 1 "
         "(the batch-scenario goldens are played at 1). Rows that end ride the steps already "
         "queued, their tokens from them dropped and their KV cut back (docs/batching.md). "
         "off (0): one step at a time",
