@@ -22,11 +22,11 @@ from typing import Any
 import attrs
 import trio
 
-from .families import HarmonySplitter, family_of
+from .families import HarmonySplitter, family_of, held_prefix
 from .request import Drafts, Event, FinishReason, TopLogprob, Usage
 from .row import Cancel, Finish, Row
 from .stats import Count, Metric, Observe, Stats
-from .tools import GENERIC, ReasoningScanner, ToolScanner, held_prefix
+from .tools import GENERIC, ReasoningScanner, ToolScanner
 
 MAILBOX_SIZE = 4096
 

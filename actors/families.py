@@ -587,7 +587,7 @@ class HarmonySplitter:
             end = self.text.find("<|end|>")
             if end < 0:
                 if not final:
-                    keep = _held("<|end|>", self.text)
+                    keep = held_prefix(self.text, "<|end|>")
                     self._body(self.text[: len(self.text) - keep], content, reasoning)
                     self.text = self.text[len(self.text) - keep :]
                     break
@@ -634,7 +634,8 @@ class HarmonySplitter:
         self.in_body, self.channel, self.recipient, self.body = False, None, None, ""
 
 
-def _held(tag: str, text: str) -> int:
+def held_prefix(text: str, tag: str) -> int:
+    """How many of ``text``'s last characters could begin ``tag`` (to hold back)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
             return k

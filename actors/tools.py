@@ -34,6 +34,7 @@ from .families import (
     complete_objects,
     family_of,
     guided,
+    held_prefix,
     hermes_schema,
 )
 
@@ -442,11 +443,3 @@ class ReasoningScanner:
                 return "".join(content), "".join(reasoning)
             part.append(self.text[:at])
             self.text, self.inside = self.text[at + len(tag) :], not self.inside
-
-
-def held_prefix(text: str, tag: str) -> int:
-    """How many of ``text``'s last characters could begin ``tag`` (to hold back)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0

@@ -343,9 +343,6 @@ def _stop_reason(reason: FinishReason, stop_sequence: str | None) -> str:
     return STOP_REASONS.get(reason, "end_turn")
 
 
-sse = sse_event
-
-
 @attrs.define
 class StreamShaper(Shaper):
     """One message's stream: content blocks opened and closed as the kind of text
@@ -362,13 +359,13 @@ class StreamShaper(Shaper):
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}  # fmt: skip
-        return sse("message_start", {"type": "message_start", "message": message})
+        return sse_event("message_start", {"type": "message_start", "message": message})
 
     def _block(self, kind: str, block: dict) -> bytes:
         out = self._close()
         self.index += 1
         self.open_kind = kind
-        return out + sse(
+        return out + sse_event(
             "content_block_start",
             {"type": "content_block_start", "index": self.index, "content_block": block},
         )
@@ -377,10 +374,10 @@ class StreamShaper(Shaper):
         if self.open_kind is None:
             return b""
         self.open_kind = None
-        return sse("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        return sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
     def _delta(self, delta: dict) -> bytes:
-        return sse("content_block_delta", {"type": "content_block_delta", "index": self.index,
+        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
                                            "delta": delta})  # fmt: skip
 
     def event(self, event: Event) -> bytes:
@@ -407,13 +404,14 @@ class StreamShaper(Shaper):
             # the whole usage, as Anthropic's message_delta now carries it: what the
             # prompt cache held is known only once the prompt is in
             usage = usage_body(event.usage)
-            out += sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
-            out += sse("message_stop", {"type": "message_stop"})
+            body = {"type": "message_delta", "delta": delta, "usage": usage}
+            out += sse_event("message_delta", body)
+            out += sse_event("message_stop", {"type": "message_stop"})
         return out
 
     def failed(self, event: Event) -> bytes:
         err = ApiError(500, event.error or "the request was cancelled")
-        return sse("error", error_body(err)[0])
+        return sse_event("error", error_body(err)[0])
 
 
 def count_body(tokens: int) -> dict:
