@@ -366,12 +366,13 @@ class ToolScanner:
         if not final:
             return "", []
         body, self.text = self.text, ""
+        calls_text = body.strip().removeprefix("<|python_tag|>")
         if cut:  # the calls whole before the cut are the answer's; the cut one is dropped
-            found, rest = complete_objects(body.strip().removeprefix("<|python_tag|>"))
+            found, rest = complete_objects(calls_text)
             calls = self._read(found)
             self.cut = body if calls is None else rest
             return "", calls or []
-        calls = self._parse(body.strip().removeprefix("<|python_tag|>"))
+        calls = self._parse(calls_text)
         return (body, []) if calls is None else ("", calls)
 
     def _parse(self, body: str) -> list[ToolCall] | None:
