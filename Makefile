@@ -26,7 +26,8 @@ install: $(STAMP)
 # (the bundled BLAS would take many minutes), on the default model and Gemma 3
 # 270M (a K-quant SentencePiece GGUF) fetched once into ~/.cache/mlx-nursery
 # (skipped when they cannot be fetched). The tool-call families' chat templates come
-# once from the llama-cpp-python source package (goldens/family_fixtures.py).
+# once from the llama-cpp-python source package, and the o200k_base vocabulary that
+# openai-harmony needs from the bpe-openai wheel (goldens/family_fixtures.py).
 test: install openblas chromium clients
 	$(BIN)/ruff check .
 	$(BIN)/mlx-nursery models --fetch smollm2-135m-instruct gemma-3-270m \

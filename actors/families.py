@@ -423,6 +423,9 @@ class Family:
     think: tuple[str, str] | None = None  # reasoning markers the tokenizer may not name
     # How the template wants earlier calls' arguments: as objects, or as text.
     arguments_as_text: bool = False
+    # Where a block holds several calls: what ends one (a block cut by max_tokens
+    # keeps the calls whole before the cut).
+    each: str = ""
 
 
 FAMILIES = (
@@ -443,6 +446,7 @@ FAMILIES = (
         _parse_minimax,
         _minimax,
         ("<minimax:tool_call>",),
+        each="</invoke>",
     ),
     Family(
         "kimi",
@@ -458,6 +462,7 @@ FAMILIES = (
         ),
         _kimi,
         ("<|tool_calls_section_begin|>",),
+        each="<|tool_call_end|>",
     ),
     Family(
         "deepseek",
@@ -470,6 +475,7 @@ FAMILIES = (
         _deepseek,
         ("<｜tool▁calls▁begin｜>",),
         arguments_as_text=True,
+        each="<｜tool▁call▁end｜>",
     ),
     Family(
         "mistral",
@@ -632,6 +638,21 @@ class HarmonySplitter:
                     self.calls += 1
                     calls.append(call)
         self.in_body, self.channel, self.recipient, self.body = False, None, None, ""
+
+
+# gpt-oss's published template writes a tool's result as a JSON string (quoted, its
+# newlines escaped); Harmony, which the model was trained on and OpenAI's renderer
+# writes, has the result as it is.
+_TOOL_RESULT_AS_JSON = re.compile(
+    r'(to=assistant<\|channel\|>commentary<\|message\|>"\s*\+\s*message\.content)\s*\|\s*tojson'
+)
+
+
+def harmony_template(template: str) -> str:
+    """gpt-oss's chat template rendering what OpenAI's Harmony renderer does
+    (``openai-harmony``, held to it in tests/test_harmony.py); any other
+    template as it is."""
+    return _TOOL_RESULT_AS_JSON.sub(r"\1", template)
 
 
 def held_prefix(text: str, tag: str) -> int:

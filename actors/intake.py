@@ -25,7 +25,7 @@ from .constrain import (
     unimplemented_keys,
 )
 from .errors import ContextOverflow, InvalidRequest
-from .families import Lit, literal
+from .families import Lit, harmony_template, literal
 from .models.load import ModelInfo
 from .request import Lane, Prompt, Request, SamplingParams, session_weight
 from .row import Row, RowTimes
@@ -56,6 +56,9 @@ class Intake:
     # Call markers as grammar terminals (a special token as itself), made once.
     lit: Lit = attrs.field(init=False, default=attrs.Factory(lambda s: literal(s.tokenizer),
                                                              takes_self=True))  # fmt: skip
+    # Every rendering's template arguments: the settings', gpt-oss's template as Harmony's.
+    _template: dict = attrs.field(init=False, default=attrs.Factory(
+        lambda s: template_arguments(s.tokenizer, s.settings), takes_self=True))  # fmt: skip
 
     def row(self, request: Request) -> tuple[Row, trio.MemoryReceiveChannel]:
         """A QUEUED row for this request, and the receive end of its event channel
@@ -221,7 +224,7 @@ class Intake:
                 )
             return items, None
         if all(isinstance(m, Mapping) for m in items):
-            return self._chat(*_tool_rendering(items, tools, template or {}, fmt))
+            return self._chat(*tool_rendering(items, tools, template or {}, fmt))
         raise InvalidRequest(
             "prompt must be a string, a list of token ids, or a list of chat messages",
             param="prompt",
@@ -252,7 +255,7 @@ class Intake:
                 self.tokenizer.apply_chat_template(
                     messages,
                     add_generation_prompt=generation_prompt,
-                    **{**self.settings.template, **extra},
+                    **{**self._template, **extra},
                 )
             )
         except Exception as exc:  # a template error is the request's (or the settings')
@@ -339,7 +342,18 @@ def merge_system(messages: list) -> list | None:
     return [{"role": "system", "content": text}, *(m for m in messages if m["role"] != "system")]
 
 
-def _tool_rendering(
+def template_arguments(tokenizer: Any, settings: EngineSettings) -> dict[str, Any]:
+    """The settings' template arguments, with the template (the settings' or the
+    tokenizer's) made to render what its family's reference renderer does
+    (gpt-oss: :func:`families.harmony_template`)."""
+    out = dict(settings.template)
+    template = out.get("chat_template") or getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and harmony_template(template) != template:
+        out["chat_template"] = harmony_template(template)
+    return out
+
+
+def tool_rendering(
     messages: list, tools: tuple, template: dict, fmt: ToolFormat
 ) -> tuple[list, dict]:
     """Messages and template arguments for a conversation that may hold tools: a

@@ -83,8 +83,9 @@ def native_messages(
     """Messages for a template with its own tool markup: call arguments as objects
     (OpenAI sends them as JSON text; templates render them with ``tojson``), or as
     text where the family's template joins them as text (DeepSeek's). Harmony's
-    template takes an analysis or a content beside a call, not both: the analysis
-    (what gpt-oss wrote before the call) is kept."""
+    template takes an analysis (``thinking``) or a content beside a call, not
+    both: the analysis (what gpt-oss wrote before the call) is kept, and the
+    template drops it once a final answer follows, as Harmony does."""
     out = []
     as_text = family is not None and family.arguments_as_text
     for m in messages:
@@ -106,7 +107,7 @@ def native_messages(
             fixed.append({**c, "function": fn})
         message = {**m, "tool_calls": fixed}
         if family is not None and family.name == "harmony" and m.get("reasoning_content"):
-            message["content"] = ""
+            message["content"], message["thinking"] = "", m["reasoning_content"]
         out.append(message)
     return out
 
@@ -344,8 +345,9 @@ class ToolScanner:
             if end < 0 and closing == "" and final and not cut:
                 end = len(self.text)  # a block with no closing tag ends with the answer
             if end < 0:
-                if final and cut:  # a block cut short (max_tokens): neither a call nor content
-                    self.cut, self.text, self.inside = self.text, "", False
+                if final and cut:  # a block cut short (max_tokens): its whole calls are kept,
+                    found.extend(self._whole_calls())  # the cut one is neither call nor text
+                    self.text, self.inside = "", False
                 elif final:  # the model ended inside a block: what it wrote is text
                     shown.append(opening + self.text)
                     self.text, self.inside = "", False
@@ -356,6 +358,15 @@ class ToolScanner:
             shown.append(opening + body + closing if calls is None else "")
             found.extend(calls or ())
         return "".join(shown), found
+
+    def _whole_calls(self) -> list[ToolCall]:
+        """The calls whole in a block ``max_tokens`` cut (where the family's blocks
+        hold several); what follows the last is the cut call, kept in ``cut``."""
+        each = self.format.family.each
+        at = self.text.rfind(each) if each else -1
+        calls = self._parse(self.text[: at + len(each)]) if at >= 0 else None
+        self.cut = self.text if calls is None else self.text[at + len(each) :]
+        return calls or []
 
     def _whole(self, final: bool, cut: bool) -> tuple[str, list[ToolCall]]:
         """A family whose calls are the whole answer (Llama 3's JSON): text that

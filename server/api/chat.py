@@ -14,12 +14,12 @@ from .openai import (
     TOOL_FIELDS,
     ChunkShaper,
     OpenAIApi,
+    TokenText,
     check_fields,
     common,
     session_hints,
     stream_flags,
     thinking_of,
-    token_text,
 )
 
 
@@ -106,10 +106,10 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
                   n=body.get("n") or 1)  # fmt: skip
 
 
-def chat_logprobs(tokenizer, tokens, logprobs, tops) -> dict:
+def chat_logprobs(text_of: TokenText, tokens, logprobs, tops) -> dict:
     content = []
     for token, lp, top in zip(tokens, logprobs, tops or [None] * len(tokens), strict=True):
-        text = token_text(tokenizer, token)
+        text = text_of(token)
         content.append(
             {
                 "token": text,
@@ -117,7 +117,7 @@ def chat_logprobs(tokenizer, tokens, logprobs, tops) -> dict:
                 "bytes": list(text.encode()),
                 "top_logprobs": [
                     {
-                        "token": (t := token_text(tokenizer, alt.token)),
+                        "token": (t := text_of(alt.token)),
                         "logprob": alt.logprob,
                         "bytes": list(t.encode()),
                     }
@@ -158,7 +158,7 @@ class ChatShaper(ChunkShaper):
         return {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
 
     def logprobs(self, tokens: list[int], logprobs: list[float], tops: list) -> dict:
-        return chat_logprobs(self.tokenizer, tokens, logprobs, tops)
+        return chat_logprobs(self.text_of, tokens, logprobs, tops)
 
     def tool_chunks(self, event: Event) -> list[dict]:
         """OpenAI's streamed tool calls: for each call, its index, id and name first
@@ -187,10 +187,10 @@ class Chat(OpenAIApi):
     def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
         return parse_chat(body, headers)
 
-    def choice(self, result: Result, tokenizer: Any) -> dict:
+    def choice(self, result: Result, text_of: TokenText) -> dict:
         lp = None
         if result.logprobs is not None:
-            lp = chat_logprobs(tokenizer, result.tokens, result.logprobs, result.top_logprobs)
+            lp = chat_logprobs(text_of, result.tokens, result.logprobs, result.top_logprobs)
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
         if result.reasoning:
             message["reasoning_content"] = result.reasoning

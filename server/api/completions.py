@@ -12,11 +12,11 @@ from .base import ApiError, Parsed, bad, check_bool, model_of, openai_context_er
 from .openai import (
     ChunkShaper,
     OpenAIApi,
+    TokenText,
     check_fields,
     common,
     session_hints,
     stream_flags,
-    token_text,
 )
 
 
@@ -42,8 +42,8 @@ def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> Par
                   n=body.get("n") or 1)  # fmt: skip
 
 
-def completion_logprobs(tokenizer, tokens, logprobs, tops, offset: int = 0) -> dict:
-    texts = [token_text(tokenizer, t) for t in tokens]
+def completion_logprobs(text_of: TokenText, tokens, logprobs, tops, offset: int = 0) -> dict:
+    texts = [text_of(t) for t in tokens]
     offsets, pos = [], offset
     for t in texts:
         offsets.append(pos)
@@ -52,7 +52,7 @@ def completion_logprobs(tokenizer, tokens, logprobs, tops, offset: int = 0) -> d
         "tokens": texts,
         "token_logprobs": list(logprobs),
         "top_logprobs": [
-            {token_text(tokenizer, alt.token): alt.logprob for alt in (top or ())}
+            {text_of(alt.token): alt.logprob for alt in (top or ())}
             for top in (tops or [None] * len(tokens))
         ],
         "text_offset": offsets,
@@ -74,7 +74,7 @@ class CompletionShaper(ChunkShaper):
                 "logprobs": logprobs}  # fmt: skip
 
     def logprobs(self, tokens: list[int], logprobs: list[float], tops: list) -> dict:
-        return completion_logprobs(self.tokenizer, tokens, logprobs, tops, self.offset)
+        return completion_logprobs(self.text_of, tokens, logprobs, tops, self.offset)
 
 
 class Completions(OpenAIApi):
@@ -84,10 +84,10 @@ class Completions(OpenAIApi):
     def parse(self, body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
         return parse_completion(body, headers)
 
-    def choice(self, result: Result, tokenizer: Any) -> dict:
+    def choice(self, result: Result, text_of: TokenText) -> dict:
         lp = None
         if result.logprobs is not None:
-            lp = completion_logprobs(tokenizer, result.tokens, result.logprobs, result.top_logprobs)
+            lp = completion_logprobs(text_of, result.tokens, result.logprobs, result.top_logprobs)
         return {"index": 0, "text": result.text, "finish_reason": result.finish_reason,
                 "logprobs": lp}  # fmt: skip
 

@@ -153,8 +153,21 @@ def drafts_body(drafts) -> dict:
     }
 
 
-def token_text(tokenizer, token: int) -> str:
-    return tokenizer.decode([token])
+@attrs.frozen
+class TokenText:
+    """A token's text as logprobs show it: a control token of the tokenizer reads
+    empty unless the request asked for them (``skip_special_tokens: false``), as
+    in the text itself (docs/http.md)."""
+
+    tokenizer: Any
+    skip: bool = True
+
+    @classmethod
+    def of(cls, parsed: Parsed, tokenizer: Any) -> TokenText:
+        return cls(tokenizer, bool(parsed.request.params.get("skip_special_tokens", True)))
+
+    def __call__(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=self.skip)
 
 
 @attrs.define
@@ -185,6 +198,11 @@ class ChunkShaper(Shaper):
         choice = {**self.text_choice(marker), "finish_reason": None, "logprobs": None}
         head, tail = sse_frame(self._wrap([choice])).split(json.dumps(marker).encode())
         self._head, self._tail = head, tail
+
+    @property
+    def text_of(self) -> TokenText:
+        """Logprobs' token texts for this request."""
+        return TokenText.of(self.parsed, self.tokenizer)
 
     def text_choice(self, text: str) -> dict:
         """A choice carrying only ``text`` (index first; finish and logprobs follow)."""
@@ -282,7 +300,7 @@ class OpenAIApi(Api):
     response_object: ClassVar[str]
     shaper_class: ClassVar[type[ChunkShaper]]  # its chunks' id prefix is the response's
 
-    def choice(self, result: Result, tokenizer: Any) -> dict:
+    def choice(self, result: Result, text_of: TokenText) -> dict:
         """The response's one choice (index, its content, finish reason, logprobs)."""
         raise NotImplementedError
 
@@ -292,9 +310,9 @@ class OpenAIApi(Api):
     def choices_body(self, parsed: Parsed, results: list[Result], served: Served) -> dict:
         """The response for ``n`` choices (``results[i]`` is choice ``i``); usage
         counts the prompt once and every choice's completion."""
-        choices = []
+        choices, text_of = [], TokenText.of(parsed, served.tokenizer)
         for i, result in enumerate(results):
-            choice = {**self.choice(result, served.tokenizer), "index": i}
+            choice = {**self.choice(result, text_of), "index": i}
             if parsed.token_ids:
                 choice["token_ids"] = list(result.tokens)
             choices.append(choice)
