@@ -38,9 +38,9 @@ from .emitter import Ended
 from .gpu import Gpu
 from .mailbox import closing
 from .prompt_cache import Trim
-from .request import FinishReason, Lane
+from .request import FinishReason, Lane, Priority
 from .row import Backlog, Cancel, End, Finish, NotPaused, Pause, Paused, Phase, Row
-from .stats import Count, Gauge, Metric, Observe, Stats
+from .stats import ByClass, Count, Gauge, Metric, Observe, Stats
 
 MAILBOX_SIZE = 4096
 DEFAULT_STEP_SECONDS = 0.05  # for Retry-After before any step has been measured
@@ -121,13 +121,33 @@ def weights_of(rows: Iterable[Row]) -> dict[Any, float]:
     return {share_key(r): r.weight for r in sorted(rows, key=lambda r: r.id)}
 
 
+def rank_now(row: Row, now: float | None = None, aging: float | None = None) -> int:
+    """A queued row's rank as admission reads it: its own (``Row.priority``),
+    one better for every ``aging`` seconds it has waited since it was last
+    queued, up to interactive (0). So a sub-agent's row ranks with the main
+    agent's after ``aging`` seconds, a background row after twice that, and no
+    row waits forever behind better ones (None: no aging)."""
+    if now is None or aging is None or row.priority <= 0:
+        return row.priority
+    return max(0, row.priority - int((now - row.times.queued) // aging))
+
+
 def next_head(
-    queue: deque[Row], admitted: Mapping[Any, int], weights: Mapping[Any, float] | None = None
+    queue: deque[Row],
+    admitted: Mapping[Any, int],
+    weights: Mapping[Any, float] | None = None,
+    now: float | None = None,
+    aging: float | None = None,
 ) -> Row:
-    """The row admission considers next: the oldest queued row of the session
-    with the fewest ``admitted`` rows per unit of its weight (ties: the session
-    whose oldest row came first). With no sessions, the queue's head."""
+    """The row admission considers next: among the queued rows of the best rank
+    (:func:`rank_now`), the oldest of the session with the fewest ``admitted``
+    rows per unit of its weight (ties: the session whose oldest row came first).
+    With one rank and no sessions, the queue's head."""
     weights = weights or {}
+    ranks = [rank_now(row, now, aging) for row in queue]
+    best_rank = min(ranks)
+    if best_rank != max(ranks):
+        queue = deque(row for row, rank in zip(queue, ranks, strict=True) if rank == best_rank)
     best, best_load, seen = queue[0], math.inf, set()
     for row in queue:
         key = share_key(row)
@@ -171,19 +191,47 @@ class Starving:
     weights: dict[Any, float]
 
 
+def _full(queue: deque[Row], admitted: Sequence[Row], cap: int) -> bool:
+    """Whether a queued row can only get a slot by pausing a running one: the
+    batch is full (and no serial row runs, which the batch drains for)."""
+    batch = sum(1 for r in admitted if r.lane is Lane.CONTINUOUS)
+    return bool(queue) and batch >= cap and batch == len(admitted)
+
+
+def outranked(
+    queue: deque[Row], admitted: Sequence[Row], *, cap: int, now: float,
+    aging: float | None = None,
+) -> Row | None:  # fmt: skip
+    """The running row to pause at once for a better class (a main agent's turn
+    behind its own sub-agents, a sub-agent behind background work): when the
+    batch is full and the row admission takes next (:func:`next_head`) is of a
+    better class than a decoding row, the decoding row of the worst class, the
+    latest of them. Classes are the rows' own (``Row.priority``): a row that
+    ranks better only by waiting is admitted first, but pauses nobody."""
+    if not _full(queue, admitted, cap):
+        return None
+    held = collections.Counter(share_key(r) for r in admitted)
+    head = next_head(queue, held, weights_of([*queue, *admitted]), now, aging)
+    if head.lane is not Lane.CONTINUOUS:
+        return None
+    worse = [r for r in admitted if r.phase is Phase.DECODING and r.priority > head.priority]
+    return max(worse, key=lambda r: (r.priority, r.id), default=None)
+
+
 def starving(
-    queue: deque[Row], admitted: Sequence[Row], *, cap: int, now: float, pause_after: float
-) -> Starving | None:
+    queue: deque[Row], admitted: Sequence[Row], *, cap: int, now: float, pause_after: float,
+    aging: float | None = None,
+) -> Starving | None:  # fmt: skip
     """Whether a row should be paused for the queue now: the batch is full, the
     row admission would take next (:func:`next_head`) has waited ``pause_after``
     seconds (since it was queued, or paused) and its session holds fewer slots
     than the floor of its share (:func:`shares` of the admitted and queued rows)."""
-    batch = [r for r in admitted if r.lane is Lane.CONTINUOUS]
-    if not queue or len(batch) < cap or len(batch) != len(admitted):
+    if not _full(queue, admitted, cap):
         return None  # a free slot (or a serial row, which the batch drains for)
+    batch = [r for r in admitted if r.lane is Lane.CONTINUOUS]
     held = collections.Counter(share_key(r) for r in batch)
     weights = weights_of([*queue, *admitted])
-    head = next_head(queue, held, weights)
+    head = next_head(queue, held, weights, now, aging)
     if head.lane is not Lane.CONTINUOUS or now - head.times.queued < pause_after:
         return None
     fair = shares(held + collections.Counter(share_key(r) for r in queue), weights, cap)
@@ -202,13 +250,18 @@ def to_pause(
     cap: int,
     now: float,
     pause_after: float,
+    aging: float | None = None,
 ) -> Row | None:
-    """The running row to pause now for a waiting session (:func:`starving`), or
-    None: the latest-arrived decoding row of the session furthest over its
-    share (per unit of weight). After the pause that session still holds at
-    least the floor of its share, so pausing never swings back and forth.
-    ``admitted`` are the admitted rows."""
-    s = starving(queue, admitted, cap=cap, now=now, pause_after=pause_after)
+    """The running row to pause now, or None: for a better class at once
+    (:func:`outranked`); else for a waiting session (:func:`starving`), the
+    decoding row of the session furthest over its share (per unit of weight),
+    its worst class first, then the latest-arrived. After the pause that session
+    still holds at least the floor of its share, so pausing never swings back
+    and forth. ``admitted`` are the admitted rows."""
+    row = outranked(queue, admitted, cap=cap, now=now, aging=aging)
+    if row is not None:
+        return row
+    s = starving(queue, admitted, cap=cap, now=now, pause_after=pause_after, aging=aging)
     if s is None:
         return None
     over = sorted(
@@ -219,7 +272,7 @@ def to_pause(
     for key in over:
         decoding = [r for r in admitted if share_key(r) == key and r.phase is Phase.DECODING]
         if decoding:
-            return max(decoding, key=lambda r: r.id)
+            return max(decoding, key=lambda r: (r.priority, r.id))
     return None
 
 
@@ -234,6 +287,8 @@ def plan(
     live_bytes: int = 0,
     admitted: Mapping[Any, int] | None = None,
     weights: Mapping[Any, float] | None = None,
+    now: float | None = None,
+    aging: float | None = None,
 ) -> Plan:
     """Take the rows to admit now out of ``queue`` (mutates it).
 
@@ -245,7 +300,7 @@ def plan(
     to_batch: list[Row] = []
     to_serial = None
     while queue and not closing:
-        head = next_head(queue, counts, weights)
+        head = next_head(queue, counts, weights, now, aging)
         need = 0 if head.phase is Phase.PAUSED else head.kv_projected
         if budget is not None and live_bytes + need > budget:
             break  # queue, don't OOM: it joins when enough live rows have left
@@ -277,6 +332,8 @@ class Admission:
     max_queued: int = 64  # rows waiting beyond this are refused (Overloaded, HTTP 429)
     queue_timeout: float | None = None  # seconds a row may wait before it fails
     pause_after: float | None = None  # see to_pause; None: never pause a row
+    # Seconds of waiting that lift a queued row one class (see rank_now); None: never.
+    aging: float | None = None
     _queue: deque[Row] = attrs.field(factory=deque, init=False)  # arrival order
     _lanes: dict[int, Lane] = attrs.field(factory=dict, init=False)  # admitted rows
     _admitted: dict[int, Row] = attrs.field(factory=dict, init=False)  # the same rows
@@ -329,7 +386,11 @@ class Admission:
         waiting = self._waiting()
         oldest = trio.current_time() - waiting[0].times.submitted if waiting else 0.0
         paused = [r for r in self._queue if r.phase is Phase.PAUSED]
+        queued = collections.Counter(r.klass for r in self._queue)
+        running = collections.Counter(r.klass for r in self._admitted.values())
         self.stats.post(
+            *(ByClass(k, "queued", queued[k]) for k in Priority),
+            *(ByClass(k, "running", running[k]) for k in Priority),
             Gauge(Metric.PENDING_ROWS, len(self._queue)),
             Gauge(Metric.PAUSED_ROWS, len(paused)),
             Gauge(Metric.PAUSED_KV_BYTES, sum(r.work.nbytes for r in paused)),
@@ -355,12 +416,14 @@ class Admission:
         with no row to pause yet (the rows over their share still joining)."""
         if self.pause_after is None or not self._queue or self._pausing:
             return math.inf
-        head = next_head(self._queue, self._held_slots(), weights_of(self._rows()))
-        due, now = head.times.queued + self.pause_after, trio.current_time()
+        now = trio.current_time()
+        head = next_head(self._queue, self._held_slots(), weights_of(self._rows()), now,
+                         self.aging)  # fmt: skip
+        due = head.times.queued + self.pause_after
         if due > now:
             return due
         starved = starving(self._queue, list(self._admitted.values()), cap=self.cap, now=now,
-                           pause_after=self.pause_after)  # fmt: skip
+                           pause_after=self.pause_after, aging=self.aging)  # fmt: skip
         return math.inf if starved is None else now + PAUSE_RETRY_SECONDS
 
     def _held_slots(self) -> collections.Counter:
@@ -510,6 +573,8 @@ class Admission:
             live_bytes=sum(self._projected.values()),
             admitted=self._held_slots(),
             weights=weights_of(self._rows()),
+            now=trio.current_time(),
+            aging=self.aging,
         )
         now = trio.current_time()
         for row in (*p.to_batch, *([p.to_serial] if p.to_serial else [])):
@@ -521,7 +586,9 @@ class Admission:
             if row.phase is Phase.PAUSED:
                 self.stats.post(Count(Metric.RESUMED))
             else:
-                self.stats.post(Observe(Metric.QUEUE_WAIT, now - row.times.submitted))
+                waited = now - row.times.submitted
+                self.stats.post(Observe(Metric.QUEUE_WAIT, waited),
+                                ByClass(row.klass, "queue_wait", waited))  # fmt: skip
             target = self.to_serial if row.lane is Lane.SERIAL else self.to_prefill
             await target.send(Submit(row))
 
@@ -535,6 +602,7 @@ class Admission:
             cap=self.cap,
             now=trio.current_time(),
             pause_after=self.pause_after,
+            aging=self.aging,
         )
         if row is not None:
             self._pausing.add(row.id)

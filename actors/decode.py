@@ -380,7 +380,7 @@ class Decode:
 
     async def _freed_joiners(self, gone: list[Row], saving: list[Row], saved: list) -> None:
         for row, caches in zip(saving, saved, strict=True):
-            await self.to_prompt_cache.send(Put(row.prompt, caches, session=row.session))
+            await self.to_prompt_cache.send(Put(row.prompt, caches, session=row.pin))
         for row in gone:
             await self._free(row, announced=False)
 
@@ -457,7 +457,7 @@ class Decode:
         for i, caches in zip(save, left.saved, strict=True):
             row = self._rows[i]
             await self.to_prompt_cache.send(
-                Put(row.prompt + row.tokens, caches, session=row.session)
+                Put(row.prompt + row.tokens, caches, session=row.pin)
             )
         self._left(left)
         announced = {o.row.id for o in pending if o.ends}

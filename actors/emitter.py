@@ -15,6 +15,7 @@ the emitter send the row's one terminal event and count it in the ledger.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 from typing import Any
@@ -25,7 +26,7 @@ import trio
 from .families import HarmonySplitter, family_of, held_prefix
 from .request import Drafts, Event, FinishReason, TopLogprob, Usage
 from .row import Cancel, Finish, Row
-from .stats import Count, Metric, Observe, Stats
+from .stats import ByClass, Count, Metric, Observe, Stats
 from .tools import GENERIC, ReasoningScanner, ToolScanner
 
 MAILBOX_SIZE = 4096
@@ -176,9 +177,13 @@ class Emitter:
     def dispatch(self, message: Tokens | Ended) -> None:
         match message:
             case Tokens(items):
-                delivered = sum(self._token(item) for item in items)
+                by_class: collections.Counter = collections.Counter()
+                for item in items:
+                    by_class[item.row.klass] += self._token(item)
+                delivered = by_class.total()
                 if delivered:
-                    self.stats.post(Count(Metric.GENERATED_TOKENS, delivered))
+                    each = (ByClass(k, "tokens", n) for k, n in by_class.items() if n)
+                    self.stats.post(Count(Metric.GENERATED_TOKENS, delivered), *each)
             case Ended(row):
                 self._end(row)
             case _:
@@ -334,6 +339,7 @@ def usage_of(row: Row, d: _Delivery, finished: float) -> Usage:
         decode_tokens_per_second=decode_rate,
         cache=row.cache_report,
         session=row.session,
+        priority=row.klass.name.lower(),
         drafts=Drafts(row.drafted, row.accepted, row.forwards, row.decoded)
         if row.drafted
         else None,

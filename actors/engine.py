@@ -87,7 +87,8 @@ class Engine:
     def submit(self, prompt: Prompt, **params: Any) -> RequestStream:
         """:meth:`submit_request` in keyword form (:meth:`Request.of`): ``params``
         are :class:`SamplingParams` fields (``stop`` may be a string), plus
-        ``request_id``, ``session``, ``parent`` and ``session_weight``."""
+        ``request_id``, ``session``, ``parent``, ``session_weight`` and
+        ``priority`` (a class name or vLLM's integer: ``request.priority_of``)."""
         return self.submit_request(Request.of(prompt, **params))
 
     def submit_request(self, request: Request) -> RequestStream:
@@ -538,6 +539,7 @@ def _admission(
         max_queued=settings.queue_limit,
         queue_timeout=settings.queue_timeout,
         pause_after=settings.pause_after,
+        aging=settings.priority_aging,
     )
 
 
@@ -593,6 +595,7 @@ def _wire(
             together=info.padded_prefill and (settings.kv is None or settings.kv.start == 0),
             kv=settings.kv,
             forks=not loaded.sharded,
+            aging=settings.priority_aging,
             **boxes.ends(),
         ),
         admitter,

@@ -27,7 +27,7 @@ from .constrain import (
 from .errors import ContextOverflow, InvalidRequest
 from .families import Lit, harmony_template, literal
 from .models.load import ModelInfo
-from .request import Lane, Prompt, Request, SamplingParams, session_weight
+from .request import Lane, Prompt, Request, SamplingParams, priority_of, session_weight
 from .row import Row, RowTimes
 from .settings import EngineSettings
 from .tools import (
@@ -65,6 +65,8 @@ class Intake:
         (sized for every token plus the terminal event: delivery never blocks).
         Raises :class:`InvalidRequest` for anything the engine cannot run."""
         weight = 1.0 if request.weight is None else session_weight(request.weight)
+        priority = 0 if request.priority is None else priority_of(request.priority)
+        priority = priority if self.settings.priorities else 0
         sampling, ids, boundary = self.prompt(request.prompt, request.params)
         thinking = self._opens_thinking(ids)
         sampling = self._constrain(sampling, thinking)
@@ -88,6 +90,7 @@ class Intake:
             session=request.session,
             parent=request.parent if request.session is not None else None,
             weight=weight,
+            priority=priority,
         )
         return row, receive
 

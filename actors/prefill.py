@@ -1,6 +1,8 @@
 """The prefill actor: joiners' prompts, a bounded number of tokens per GPU turn.
 
-Rows arrive from admission in FIFO order. A GPU turn spends at most
+Rows arrive from admission; a turn serves them by rank (a main agent's prompt
+before its sub-agents': ``admission.rank_now``), then in arrival order (below:
+"oldest" is first in that order). A GPU turn spends at most
 ``prefill_step_size`` prompt tokens. Where the model's caches take padding
 exactly (plain KV; under ``--kv-bits``, fresh rows that quantize at their
 prompt's end), joiners whose whole prompts fit the turn padded to the
@@ -23,7 +25,7 @@ import attrs
 import trio
 import trio.lowlevel
 
-from .admission import Left, Submit, release
+from .admission import Left, Submit, rank_now, release
 from .emitter import TokenOut, Tokens
 from .gpu import Gpu
 from .mailbox import closing
@@ -222,6 +224,7 @@ class PrefillActor:
     together: bool = False  # joiners may be prefilled as one padded batch (plain KV)
     kv: KvBits | None = None  # KV quantization (docs/quantized-kv.md)
     forks: bool = True  # rows with one prompt share its prefill (not across ranks)
+    aging: float | None = None  # see admission.rank_now: joiners go by rank, then arrival
     _active: list[Row] = attrs.field(factory=list, init=False)  # PREFILLING, FIFO
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -325,13 +328,15 @@ class PrefillActor:
         riders = self._fork()
         for row in self._active:  # arrivals (and joiners released from waiting) take
             if row.id not in riders and not row.work.taken:
-                hit = await take(self.to_prompt_cache, row.prompt, row.session)
+                hit = await take(self.to_prompt_cache, row.prompt, row.pin)
                 row.work.start_from(hit.caches, hit.cached)
                 row.cached_tokens, row.cache_report = row.work.done, hit.report
         min_shared = MIN_SHARED_TOGETHER if self.together else MIN_SHARED
         if self.to_prompt_cache is None:
             min_shared = None
-        jobs = [r.work for r in self._active if r.id not in riders]
+        now = trio.current_time()  # a main agent's prompt first, before its sub-agents'
+        ranked = sorted(self._active, key=lambda r: rank_now(r, now, self.aging))
+        jobs = [r.work for r in ranked if r.id not in riders]
         plan = plan_turn(jobs, self.step_size, self.together, min_shared)
         by_job = {id(r.work): r for r in self._active}
         try:
@@ -413,7 +418,7 @@ class PrefillActor:
             return
         for n, caches in snapshots:
             await self.to_prompt_cache.send(
-                Put(row.prompt[:n], caches, EntryKind.SYSTEM, session=row.session)
+                Put(row.prompt[:n], caches, EntryKind.SYSTEM, session=row.pin)
             )
 
     def _report(self) -> None:

@@ -32,7 +32,8 @@ import contextlib
 import enum
 import logging
 import math
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -51,7 +52,7 @@ from .disk_writer import DiskWriter
 from .errors import RanksLost
 from .gpu import Gpu
 from .ranks import Mirrored, mirrored
-from .request import CacheReason, CacheReport, CacheTier
+from .request import CacheReason, CacheReport, CacheTier, Priority
 from .row import Row
 from .stats import Count, Gauge, Metric, Observe, Stats
 from .step.kv import clone
@@ -79,8 +80,8 @@ class Hit:
     report: CacheReport | None = None  # why that much (and no more)
 
 
-# A session's latest entry is pinned (evicted only when nothing else is left) while
-# the session was seen this recently: an agent's next turn comes within seconds.
+# A session's latest entry of each class is pinned (evicted only when nothing else is
+# left) while it was seen this recently: an agent's next turn comes within seconds.
 PIN_SECONDS = 120.0
 
 # Evicted entries' token ids (no KV) kept to tell "evicted" from "never cached".
@@ -115,20 +116,25 @@ class _RecordingLRU:
     def _pop_unpinned(self) -> Any:
         """mlx-lm's choice of victim, passing over pinned entries while another is
         left (they go back to their old ends, in order). When every entry is
-        pinned, the one being put goes if it is among them, else the oldest: a
+        pinned, the worst class's go first (a main agent's history last), and
+        within it the one being put if it is among them, else the oldest: a
         session that puts every half second (a sub-agent fan-out) would otherwise
         evict another session's history the moment their pins outgrow the cap."""
-        passed = []
+        passed, pinned = [], self._store.pinned
         try:
             while True:
                 model, tokens = self._inner.pop()
-                if tuple(tokens) not in self._store.pinned:
+                if tuple(tokens) not in pinned:
                     return model, tokens
                 passed.append((model, tokens))
                 if not len(self._inner):  # every entry is pinned
+                    worst = max(pinned[tuple(t)] for _, t in passed)
                     putting = (i for i, (_, t) in enumerate(passed)
-                               if tuple(t) == self._store.putting)  # fmt: skip
-                    return passed.pop(next(putting, 0))
+                               if tuple(t) == self._store.putting
+                               and pinned[tuple(t)] == worst)  # fmt: skip
+                    oldest = (i for i, (_, t) in enumerate(passed) if pinned[tuple(t)] == worst)
+                    at = next(putting, None)
+                    return passed.pop(next(oldest) if at is None else at)
         finally:
             for model, tokens in reversed(passed):
                 kind = self._store._trie.get(KEY, tokens).cache_type
@@ -150,7 +156,7 @@ class Store(LRUPromptCache):
         # Entries (token tuples) eviction passes over while any other is left: each
         # active session's latest. Set by every put and trim (an argument, so a
         # sharded engine's followers evict alike).
-        self.pinned: frozenset[tuple[int, ...]] = frozenset()
+        self.pinned: Mapping[tuple[int, ...], int] = {}  # entry -> its pin's class
         self.putting: tuple[int, ...] | None = None  # the entry a put is inserting
         self._lru = _RecordingLRU(self._lru, self)
 
@@ -239,7 +245,7 @@ class Store(LRUPromptCache):
 
     def put(
         self, tokens: list[int], caches: list[Any], kind: EntryKind, ceiling: int,
-        pinned: frozenset = frozenset(),
+        pinned: Mapping[tuple[int, ...], int] = types.MappingProxyType({}),
     ) -> None:  # fmt: skip
         self.pinned, self.putting = pinned, tuple(tokens)
         try:
@@ -248,7 +254,9 @@ class Store(LRUPromptCache):
         finally:
             self.putting = None
 
-    def trim_bytes(self, ceiling: int, pinned: frozenset = frozenset()) -> None:
+    def trim_bytes(
+        self, ceiling: int, pinned: Mapping[tuple[int, ...], int] = types.MappingProxyType({})
+    ) -> None:
         self.pinned = pinned
         self.trim_to(n_bytes=ceiling)
 
@@ -262,11 +270,16 @@ class EntryKind(enum.StrEnum):
     ASSISTANT = "assistant"  # a finished row: its prompt and its answer
 
 
+# Whose latest entry is pinned: a session and a class (``Row.pin``), so a session's
+# sub-agents keep their latest entry and never unpin its main agent's.
+Pin = tuple[str, Priority]
+
+
 @attrs.frozen
 class Take:
     tokens: list[int] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
     reply: trio.MemorySendChannel = attrs.field(repr=False)  # gets one Hit
-    session: str | None = None  # the asking row's session (it is active)
+    session: Pin | None = None  # the asking row's (it is active)
 
 
 @attrs.frozen
@@ -274,7 +287,7 @@ class Put:
     tokens: list[int] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
     caches: list[Any] = attrs.field(repr=False)
     kind: EntryKind = EntryKind.ASSISTANT
-    session: str | None = None  # whose: a session's latest entry is pinned while active
+    session: Pin | None = None  # whose: each pin's latest entry is kept while it is active
 
 
 @attrs.frozen
@@ -295,9 +308,9 @@ class PromptCacheActor:
     _store: Store = attrs.field(init=False)
     _ceiling: int = attrs.field(init=False)  # the budget's share, lowered by Trim
     _writer: DiskWriter | None = attrs.field(default=None, init=False)  # with a disk tier
-    # Each session's latest entry and when the session was last seen (a put or a
-    # take): pinned while seen within PIN_SECONDS.
-    _pins: dict[str, tuple[tuple[int, ...], float]] = attrs.field(factory=dict, init=False)
+    # Each pin's (a session's, by class) latest entry and when it was last seen (a
+    # put or a take): pinned while seen within PIN_SECONDS.
+    _pins: dict[Pin, tuple[tuple[int, ...], float]] = attrs.field(factory=dict, init=False)
     _handling: bool = attrs.field(default=False, init=False)  # a message in hand
     _moved: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each
 
@@ -360,7 +373,7 @@ class PromptCacheActor:
             case _:
                 raise TypeError(f"prompt cache got an unexpected message: {message!r}")
 
-    def _seen(self, session: str | None, tokens: list[int] | None = None) -> None:
+    def _seen(self, session: Pin | None, tokens: list[int] | None = None) -> None:
         if session is None:
             return
         now = trio.current_time()
@@ -369,12 +382,16 @@ class PromptCacheActor:
         elif session in self._pins:
             self._pins[session] = (self._pins[session][0], now)
 
-    def _pinned(self) -> frozenset[tuple[int, ...]]:
-        """The latest entry of every session seen within PIN_SECONDS (the others
-        are forgotten)."""
+    def _pinned(self) -> dict[tuple[int, ...], int]:
+        """The latest entry of every pin seen within PIN_SECONDS (the others are
+        forgotten), with its class: when only pinned entries are left, the worst
+        class goes first (a main agent's history last)."""
         since = trio.current_time() - PIN_SECONDS
         self._pins = {s: pin for s, pin in self._pins.items() if pin[1] >= since}
-        return frozenset(key for key, _ in self._pins.values())
+        out: dict[tuple[int, ...], int] = {}
+        for (_, klass), (key, _) in self._pins.items():
+            out[key] = min(out.get(key, klass), klass)
+        return out
 
     async def _take(self, tokens: list[int]) -> Hit:
         """Memory's best; a file on disk instead where it serves more of the prompt."""
@@ -513,7 +530,7 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 async def take(
-    to_cache: trio.MemorySendChannel | None, tokens: list[int], session: str | None = None
+    to_cache: trio.MemorySendChannel | None, tokens: list[int], session: Pin | None = None
 ) -> Hit:
     """Ask the prompt cache (through its mailbox) for the longest usable cached
     prefix of ``tokens``: a request-reply any actor can make from its own task."""

@@ -7,6 +7,7 @@ bad one raises :class:`InvalidRequest` naming it. The HTTP front only maps names
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import types
@@ -41,7 +42,8 @@ class Request:
     to (sessions share the batch's slots, see ``admission.py``), ``parent`` the
     session that one runs under (kept only with a session), ``weight`` its
     session's weight in sharing the slots, as given (the intake checks it: see
-    :func:`session_weight`); ``request_id`` is the caller's label."""
+    :func:`session_weight`); ``priority`` its class or rank, as given (see
+    :func:`priority_of`; None: interactive); ``request_id`` is the caller's label."""
 
     prompt: Prompt
     params: Mapping[str, Any] = attrs.field(
@@ -51,14 +53,60 @@ class Request:
     session: str | None = attrs.field(default=None, converter=_label)
     parent: str | None = attrs.field(default=None, converter=_label)
     weight: Any = None  # None: the default share (1)
+    priority: Any = None  # None: interactive
 
     @classmethod
     def of(cls, prompt: Prompt, **params: Any) -> Request:
         """The keyword form: :class:`SamplingParams` fields, plus ``request_id``,
-        ``session``, ``parent`` and ``session_weight``."""
+        ``session``, ``parent``, ``session_weight`` and ``priority``."""
         labels = {k: params.pop(k, None) for k in ("request_id", "session", "parent")}
         weight = params.pop("session_weight", None)
-        return cls(prompt, params, weight=weight, **labels)
+        priority = params.pop("priority", None)
+        return cls(prompt, params, weight=weight, priority=priority, **labels)
+
+
+class Priority(enum.IntEnum):
+    """A request's class, its rank in admission (lower first, as vLLM's
+    ``priority``): the person's turn and a main agent's; a sub-agent's; work
+    nobody waits on (titles, summaries, a small/fast model's requests)."""
+
+    INTERACTIVE = 0
+    SUBAGENT = 1
+    BACKGROUND = 2
+
+    @classmethod
+    def of_rank(cls, rank: int) -> Priority:
+        """The class a rank falls in (vLLM's integers: at or below 0 interactive,
+        1 sub-agent, 2 and above background)."""
+        return _CLASSES[min(max(rank, 0), 2)]
+
+
+_CLASSES = tuple(Priority)
+
+
+MAX_PRIORITY = 1000
+
+
+def priority_of(value: Any) -> int:
+    """A request's rank from its ``priority`` as given (a body field, a header's
+    text): a class name (``interactive``, ``subagent``, ``background``) or an
+    integer (vLLM's field: lower first), checked."""
+    if isinstance(value, str) and value.strip().upper() in Priority.__members__:
+        return int(Priority[value.strip().upper()])
+    rank = None
+    if isinstance(value, int | str) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
+            rank = int(value)
+    elif isinstance(value, float) and value.is_integer():
+        rank = int(value)
+    if rank is None or not -MAX_PRIORITY <= rank <= MAX_PRIORITY:
+        raise InvalidRequest(
+            "priority must be interactive, subagent or background, or an integer from "
+            f"{-MAX_PRIORITY} to {MAX_PRIORITY} (lower runs first; 0 is interactive), got "
+            f"{value!r}",
+            param="priority",
+        )
+    return rank
 
 
 MAX_WEIGHT = 1000.0
@@ -349,6 +397,7 @@ class Usage:
     cache: CacheReport | None = None  # the prompt-cache lookup, where there was one
     session: str | None = None  # the agent session the request ran in
     drafts: Drafts | None = None  # its speculative decoding, where it drafted
+    priority: str | None = None  # the class it ran in: interactive, subagent, background
 
     @property
     def total_tokens(self) -> int:

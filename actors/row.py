@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import trio
 
-from .request import CacheReport, FinishReason, Lane, SamplingParams
+from .request import CacheReport, FinishReason, Lane, Priority, SamplingParams
 
 
 class Phase(enum.Enum):
@@ -149,6 +149,7 @@ class Row:
     session: str | None = None  # the agent session it belongs to (a client's hint)
     parent: str | None = None  # the session that session runs under (a sub-agent's tree)
     weight: float = 1.0  # its session's weight in sharing the slots (see admission.py)
+    priority: int = 0  # its rank (lower first: see request.Priority and admission.py)
     phase: Phase = Phase.QUEUED
     cached_tokens: int = 0  # prompt tokens taken from the prompt cache
     cache_report: CacheReport | None = attrs.field(default=None, repr=False)  # and why
@@ -167,6 +168,18 @@ class Row:
     accepted: int = 0
     forwards: int = 0
     decoded: int = 0
+
+    @property
+    def klass(self) -> Priority:
+        """Its class (interactive, sub-agent, background): figures are kept by it."""
+        return Priority.of_rank(self.priority)
+
+    @property
+    def pin(self) -> tuple[str, Priority] | None:
+        """Whose latest prompt-cache entry it puts (pinned while active: see
+        prompt_cache.py): its session's, one a class, so a session's sub-agents
+        never unpin its main agent's history."""
+        return None if self.session is None else (self.session, self.klass)
 
     def move(self, phase: Phase) -> None:
         if phase not in _NEXT[self.phase]:
@@ -209,6 +222,7 @@ class RowView:
     session: str | None
     parent: str | None
     weight: float  # its session's weight in sharing the slots
+    priority: str  # its class: interactive, subagent, background
     lane: str
     phase: str
     prompt_tokens: int
@@ -236,6 +250,7 @@ def view(row: Row, now: float) -> RowView:
         session=row.session,
         parent=row.parent,
         weight=row.weight,
+        priority=row.klass.name.lower(),
         lane=str(row.lane),
         phase=row.phase.value,
         prompt_tokens=len(row.prompt),

@@ -145,7 +145,7 @@ class Serial:
         try:
             row.times.prefill_started = trio.current_time()
             self.stats.post(Count(Metric.PROMPT_TOKENS, len(row.prompt)))
-            hit = await take(self.to_prompt_cache, row.prompt, row.session)
+            hit = await take(self.to_prompt_cache, row.prompt, row.pin)
             row.cached_tokens = hit.cached if hit.caches is not None else 0
             row.cache_report = hit.report
             gen = await self.gpu.call(
@@ -187,7 +187,7 @@ class Serial:
                 caches = None
             if caches and self.to_prompt_cache is not None and worth_keeping(row):
                 await self.to_prompt_cache.send(
-                    Put(row.prompt + row.tokens, caches, session=row.session)
+                    Put(row.prompt + row.tokens, caches, session=row.pin)
                 )
         self.stats.post(Gauge(Metric.SERIAL_KV_BYTES, 0))
         announced = row.phase is Phase.ENDED  # its last token carried the end

@@ -249,6 +249,19 @@ class EngineSettings:
         "a row of a session over its share is paused for it (its KV kept, resumed "
         "token-exact); off never pauses",
     )  # fmt: skip
+    priorities: bool = setting(
+        True, validator=_boolean, parse=_on_off, shown="on",
+        help="requests are scheduled by class: interactive (a person, a main agent), then "
+        "sub-agents, then background work (titles, summaries), each from its request's "
+        "priority or read from Claude Code's traffic (docs/sessions.md); off: every "
+        "request is interactive (first come, first served within the session shares)",
+    )  # fmt: skip
+    priority_aging: float | None = setting(
+        30.0, validator=_seconds(optional=True), parse=_off_or_float,
+        help="seconds of waiting that lift a queued request one class (a sub-agent ranks "
+        "with interactive requests after this, background after twice this), so no class "
+        "starves; off never lifts one",
+    )  # fmt: skip
     ragged_attention: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",
         help="decode steps whose rows' lengths differ widely attend row by row over each "

@@ -16,6 +16,8 @@ from collections.abc import Callable
 import attrs
 import trio
 
+from .request import Priority
+
 MAILBOX_SIZE = 65536
 
 # Bucket upper bounds in seconds, Prometheus style (the last bucket is +Inf).
@@ -242,6 +244,17 @@ class Observe:
 
 
 @attrs.frozen
+class ByClass:
+    """A figure of one request class (``request.Priority``): ``field`` is one of
+    :class:`ClassFigures`' (``queued`` and ``running`` are set, ``tokens`` added
+    to, ``queue_wait`` observed)."""
+
+    klass: Priority
+    field: str
+    value: float
+
+
+@attrs.frozen
 class HistogramSnapshot:
     buckets: tuple[float, ...]  # upper bounds, +Inf implied last
     counts: tuple[int, ...]  # per bucket, not cumulative; len(buckets) + 1
@@ -277,6 +290,37 @@ class Histogram:
 
     def snapshot(self) -> HistogramSnapshot:
         return HistogramSnapshot(self.buckets, tuple(self.counts), self.count, self.sum)
+
+
+@attrs.frozen
+class ClassFigures:
+    """One request class's figures (``/stats`` ``classes``, ``/metrics`` by class)."""
+
+    queued: int  # rows waiting for a slot now (paused ones included)
+    running: int  # rows admitted now
+    tokens: int  # tokens delivered to clients
+    queue_wait: HistogramSnapshot  # seconds from submit to admission (paused rows: not again)
+
+
+@attrs.define
+class _ClassTally:
+    queued: int = 0
+    running: int = 0
+    tokens: int = 0
+    queue_wait: Histogram = attrs.Factory(Histogram)
+
+    def apply(self, field: str, value: float) -> None:
+        if field == "queue_wait":
+            self.queue_wait.observe(value)
+        elif field == "tokens":
+            self.tokens += int(value)
+        elif field in ("queued", "running"):
+            setattr(self, field, int(value))
+        else:
+            raise ValueError(f"no class figure {field!r}")
+
+    def snapshot(self) -> ClassFigures:
+        return ClassFigures(self.queued, self.running, self.tokens, self.queue_wait.snapshot())
 
 
 COUNTERS = of_kind(Kind.COUNTER)
@@ -448,6 +492,8 @@ class StatsSnapshot:
     loop_turn: HistogramSnapshot
     compiled: CompiledFigures | None = None  # None: --compile off
     packed: PackedFigures | None = None  # None: --packed-weights off, or nothing routed
+    # Each request class's figures, by name (interactive, subagent, background).
+    classes: dict[str, ClassFigures] = attrs.field(factory=dict)
 
     @property
     def batch_kv_bytes_per_token(self) -> float | None:
@@ -490,6 +536,9 @@ class Stats:
     _counters: dict[Metric, int] = attrs.field(init=False)
     _gauges: dict[Metric, float] = attrs.field(init=False)
     _histograms: dict[Metric, Histogram] = attrs.field(init=False)
+    _classes: dict[Priority, _ClassTally] = attrs.field(
+        factory=lambda: {k: _ClassTally() for k in Priority}, init=False
+    )
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each apply
     # Posts sent and applied: a post handed straight to the waiting actor task is
     # in no buffer, yet not applied until that task runs.
@@ -502,7 +551,7 @@ class Stats:
         self._gauges = dict.fromkeys(GAUGES, 0.0)
         self._histograms = {name: Histogram() for name in HISTOGRAMS}
 
-    def post(self, *messages: Count | Gauge | Observe) -> None:
+    def post(self, *messages: Count | Gauge | Observe | ByClass) -> None:
         """Post figures; several in one call travel as one mailbox message."""
         try:
             self._send.send_nowait(messages)
@@ -512,8 +561,10 @@ class Stats:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass  # engine closing; figures no longer served
 
-    def _apply(self, message: Count | Gauge | Observe) -> None:
+    def _apply(self, message: Count | Gauge | Observe | ByClass) -> None:
         match message:
+            case ByClass(klass, field, value):
+                self._classes[klass].apply(field, value)
             case Count(name, n):
                 self._counters[name] += n
             case Gauge(name, value):
@@ -569,6 +620,7 @@ class Stats:
             **gauges,
             **{m.key: h[m].snapshot() for m in HISTOGRAMS},
             **{m.key: c[m] for m in COUNTERS},
+            classes={k.name.lower(): t.snapshot() for k, t in self._classes.items()},
         )
 
 

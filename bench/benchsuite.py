@@ -1074,6 +1074,70 @@ def flood(model: str, label: str, repeats: int) -> None:
     _write_section("flood", body)
 
 
+def priority_flood(model: str, label: str, repeats: int) -> None:
+    """Issue #64's flood (``bench/flood.py``, ``subagents``): the main agent's
+    4-turn conversation over a 600-word history while eight of its own
+    sub-agents flood ``/v1/messages`` with 192-token answers, all in one Claude
+    Code session (the sub-agents' attribution line says ``cc_is_subagent=true;``):
+    the main agent alone, then beside the flood with request classes (the
+    default) and first come, first served (``--priorities off``), each run on a
+    fresh server (batch 4, a 96 MB prompt-cache cap)."""
+    from flood import FloodSpec, run_flood
+
+    spec_of = functools.partial(FloodSpec, agents=8, agent_tokens=192, history_words=600,
+                                subagents=True)  # fmt: skip
+    cases = {
+        "main agent alone": ((), {"agents": False}),
+        "classes (default)": ((), {}),
+        "first come, first served (--priorities off)": (("--priorities", "off"), {}),
+    }
+    runs: dict[str, list] = {name: [] for name in cases}
+    for r in range(repeats):
+        for name, (flags, sides) in cases.items():
+            with flood_server(model, *flags) as server:
+                report = trio.run(functools.partial(run_flood, spec_of(url=server.url, seed=r),
+                                                    **sides))  # fmt: skip
+            runs[name].append(report)
+            turns = ", ".join(f"{t:.2f}" for t in report.turn_seconds)
+            cached = ", ".join(f"{c:.2f}" for c in report.history_cached)
+            print(f"  priority flood {name}: main turns [{turns}] s, cached [{cached}], "
+                  f"everyone {report.tokens_per_second:.1f} tok/s, paused {report.paused}, "
+                  f"errors {len(report.errors)}", flush=True)  # fmt: skip
+    solo = statistics.median(t for rep in runs["main agent alone"] for t in rep.turn_seconds)
+    fcfs = runs["first come, first served (--priorities off)"]
+    base = statistics.median(rep.tokens_per_second for rep in fcfs)
+    rows = []
+    for name, reps in runs.items():
+        turns = [t for rep in reps for t in rep.turn_seconds]
+        cached = [c for rep in reps for c in rep.history_cached]
+        c = f"{100 * min(cached):.0f}%" if cached else "-"
+        total = "-" if name == "main agent alone" else _against(
+            [rep.tokens_per_second for rep in reps], base, 1)  # fmt: skip
+        rows.append(f"| {name} | {_against(turns, solo, 2)} | {max(turns):.2f} | {c} | {total} | "
+                    f"{sum(rep.paused for rep in reps)} |")  # fmt: skip
+    spec = spec_of(url="")
+    body = (
+        f"Run {time.strftime('%Y-%m-%d')}; BLAS: {blas()}; float32; {label}; "
+        f"`serve {' '.join(FLOOD_FLAGS)}`; {repeats} run(s), a fresh server each. The main "
+        f"agent runs {spec.turns} turns over a ~{spec.history_words}-word history "
+        f"({spec.turn_tokens}-token answers, {spec.gap:g} s between turns) while "
+        f"{spec.agents} of its own sub-agents keep a request each in flight (a shared "
+        f"~{spec.agent_system_words}-word system prompt, a ~{spec.task_words}-word task, "
+        f"{spec.agent_tokens}-token answers), once they have finished "
+        f"{spec.warmup_requests} requests; one Claude Code session over `/v1/messages`, "
+        "every request with Claude Code's attribution line (the sub-agents' with "
+        "`cc_is_subagent=true;`) and a tool. The main agent's turn: request to last token "
+        "(median, and its ratio to the main agent alone; worst); cached: the least share "
+        "of a turn's history served from the prompt cache; everyone's completion tok/s "
+        "over the main agent's run, against the same flood first come, first served.\n\n"
+        "| run | main agent's turn, median (s) | worst (s) | history cached | "
+        "everyone's tok/s | rows paused |\n"
+        "| --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows)
+    )
+    print(body, flush=True)
+    _write_section("priority-flood", body)
+
+
 def storm_figures(result) -> dict:
     statuses = [a.status for a in result.answers]
     return {
@@ -1390,6 +1454,12 @@ def main() -> int:
         "agent's turns, with and without sessions (--model)",
     )
     parser.add_argument(
+        "--priority-flood",
+        action="store_true",
+        help="only the main agent against its own sub-agents (issue #64): request classes "
+        "against first come, first served (--model); --flood runs it too",
+    )
+    parser.add_argument(
         "--speculative",
         action="store_true",
         help="only speculative decoding (issue #24): the edit workload and natural chat at "
@@ -1445,6 +1515,10 @@ def main() -> int:
         return 0
     if args.flood:
         flood(args.model, "bench-llama-30m (31M parameters)", args.repeats)
+        priority_flood(args.model, "bench-llama-30m (31M parameters)", args.repeats)
+        return 0
+    if args.priority_flood:
+        priority_flood(args.model, "bench-llama-30m (31M parameters)", args.repeats)
         return 0
     if args.speculative:
         models = [("SmolLM2-135M-Instruct", str(float32_copy(fetch(DEFAULT))))]

@@ -13,6 +13,9 @@ B's), and everyone's. A's rate is also taken apart in the same server: over
 ``before`` seconds ahead of B's first turn, while B's turns run, and in B's
 gaps; the host's drift between runs cannot move these ratios.
 
+With ``subagents``, A's requests are B's own sub-agents in B's session, in
+Claude Code's shape (issue #64: the main agent ahead of its own sub-agents).
+
 ``docs/sessions.md`` reports it; ``bench/benchsuite.py --flood`` runs it against
 a server with and without sessions, and ``tests/test_sessions.py`` on the golden
 model (``tests/conftest.py`` puts ``bench/`` on the path).
@@ -50,6 +53,11 @@ class FloodSpec:
     warmup_timeout: float = 300.0
     window: float = 30.0  # seconds A is measured alone when there is no B
     sessions: bool = True  # send the session header (False: every request alone)
+    # A's requests are B's own sub-agents, as Claude Code sends them: B's session,
+    # the attribution line with ``cc_is_subagent=true;``, and every request with
+    # tools (B's attribution line without the flag): the server reads B as
+    # interactive and A as sub-agents (docs/sessions.md).
+    subagents: bool = False
     model: str = "default_model"
     seed: int = 0
     timeout: float = 600.0
@@ -84,9 +92,22 @@ def _headers(spec: FloodSpec, session: str) -> dict[str, str]:
     return {SESSION_HEADER: session} if spec.sessions else {}
 
 
+# Claude Code's attribution line (main agent, sub-agent) and a tool list for the
+# ``subagents`` flood.
+ATTRIBUTION = "x-anthropic-billing-header: cc_version=2.1.197.3d1; cc_entrypoint=cli;"
+SUBAGENT = ATTRIBUTION + " cc_is_subagent=true;"
+READ = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+TOOLS = [{"name": "Read", "description": "Read a file", "input_schema": READ}]
+
+
 async def _ask(client, spec, session, system, messages, max_tokens, errors) -> dict | None:
     body = {"model": spec.model, "max_tokens": max_tokens, "temperature": 0.0,
             "system": system, "messages": messages}  # fmt: skip
+    if spec.subagents:
+        line = SUBAGENT if session == "flood-A" else ATTRIBUTION
+        body |= {"system": [{"type": "text", "text": line}, {"type": "text", "text": system}],
+                 "tools": TOOLS}  # fmt: skip
+        session = "flood-B"
     r = await client.post("/v1/messages", json=body, headers=_headers(spec, session))
     if r.status_code != 200:
         errors.append(f"HTTP {r.status_code}: {r.text[:200]}")

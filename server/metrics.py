@@ -96,13 +96,42 @@ class _Snapshot:
         yield mode
         for m in HISTOGRAMS:
             h: HistogramSnapshot = getattr(s, m.key)
-            buckets, cumulative = [], 0
-            for bound, n in zip((*h.buckets, math.inf), h.counts, strict=True):
-                cumulative += n
-                buckets.append((floatToGoString(bound), cumulative))
             yield HistogramMetricFamily(
-                f"{PREFIX}_{m.exposed}", m.help, buckets=buckets, sum_value=h.sum
+                f"{PREFIX}_{m.exposed}", m.help, buckets=_buckets(h), sum_value=h.sum
             )
+        yield from _class_families(s)
+
+
+def _buckets(h: HistogramSnapshot) -> list[tuple[str, int]]:
+    """A histogram's cumulative buckets, as prometheus_client takes them."""
+    out, cumulative = [], 0
+    for bound, n in zip((*h.buckets, math.inf), h.counts, strict=True):
+        cumulative += n
+        out.append((floatToGoString(bound), cumulative))
+    return out
+
+
+def _class_families(s: StatsSnapshot):
+    """Each request class's figures (interactive, subagent, background), labelled."""
+    queued = GaugeMetricFamily(f"{PREFIX}_class_queued", "Requests waiting for a slot "
+                               "(paused ones included), by class.", labels=["class"])  # fmt: skip
+    running = GaugeMetricFamily(
+        f"{PREFIX}_class_running", "Requests admitted, by class.", labels=["class"]
+    )
+    tokens = CounterMetricFamily(
+        f"{PREFIX}_class_generated_tokens", "Tokens delivered to clients, by class.",
+        labels=["class"],
+    )  # fmt: skip
+    wait = HistogramMetricFamily(
+        f"{PREFIX}_class_queue_wait_seconds", "Seconds from submit to admission, by class.",
+        labels=["class"],
+    )  # fmt: skip
+    for name, c in s.classes.items():
+        queued.add_metric([name], c.queued)
+        running.add_metric([name], c.running)
+        tokens.add_metric([name], c.tokens)
+        wait.add_metric([name], _buckets(c.queue_wait), c.queue_wait.sum)
+    yield from (queued, running, tokens, wait)
 
 
 # Per-model figures of the pool (server/pool.py), each labelled with the model's name.
@@ -213,6 +242,11 @@ def stats_json(s: StatsSnapshot) -> dict:
         body["compiled"] = {**attrs.asdict(s.compiled), "share": s.compiled.share}
     if s.packed is not None:
         body["packed"] = {**attrs.asdict(s.packed), "share": s.packed.share}
+    body["classes"] = {
+        name: {"queued": c.queued, "running": c.running, "tokens": c.tokens,
+               "queue_wait": _hist_json(c.queue_wait)}
+        for name, c in s.classes.items()
+    }  # fmt: skip
     host = s.host
     body["host"] = {**attrs.asdict(host), "step_ms": host.step_ms, "host_ms": host.host_ms,
                     "share": host.share}  # fmt: skip

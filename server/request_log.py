@@ -37,6 +37,7 @@ def record_of(
     }
     if usage is not None:
         out.update(
+            priority=usage.priority,
             prompt_tokens=usage.prompt_tokens,
             cached_tokens=usage.cached_tokens,
             completion_tokens=usage.completion_tokens,

@@ -178,12 +178,31 @@ def test_when_only_pinned_entries_are_left_the_one_being_put_goes():
     history, task = [1] * 40, [2] * 12
     each = entry(40)[0].nbytes, entry(12)[0].nbytes
     store = Store(max_size=10, max_bytes=sum(each) - 1)
-    store.put(history, entry(40), "assistant", sum(each), frozenset({tuple(history)}))
-    pins = frozenset({tuple(history), tuple(task)})
+    store.put(history, entry(40), "assistant", sum(each), {tuple(history): 0})
+    pins = {tuple(history): 0, tuple(task): 0}
     store.put(task, entry(12), "assistant", sum(each) - 1, pins)
     assert store.take([*history, 3]).cached == 40
     assert store.take([*task, 3]).cached == 0
     assert store.evicted and list(store.evicted[-1]) == task
+
+
+def test_when_only_pinned_entries_are_left_the_worst_class_goes_first():
+    """A session's sub-agent entry (class 1) and its main agent's history (class
+    0) both pinned and over the cap: the sub-agent's goes, even while the main
+    agent's is the one being put."""
+
+    def entry(n: int) -> list[KVCache]:
+        return [filled_kv(n)]
+
+    history, task = [1] * 40, [2] * 12
+    each = entry(40)[0].nbytes, entry(12)[0].nbytes
+    store = Store(max_size=10, max_bytes=sum(each) - 1)
+    store.put(task, entry(12), "assistant", sum(each), {tuple(task): 1})
+    pins = {tuple(history): 0, tuple(task): 1}
+    store.put(history, entry(40), "assistant", sum(each) - 1, pins)
+    assert store.take([*history, 3]).cached == 40
+    assert store.take([*task, 3]).cached == 0
+    assert list(store.evicted[-1]) == task
 
 
 def test_the_search_finds_what_mlx_lms_trie_search_finds():

@@ -268,3 +268,80 @@ async def test_a_session_weight_header_is_checked_and_listed():
                 assert (await client.delete("/v1/sessions/heavy")).status_code == 200
                 async for _ in r.aiter_lines():
                     pass
+
+
+async def test_a_background_row_under_a_long_interactive_load_finishes_within_its_bound():
+    """Two slots kept full by four interactive loops: a background row waits
+    behind them, but ``priority_aging`` seconds of waiting lift it a class, so it
+    is admitted at the first slot that frees after twice that (the bound in
+    docs/sessions.md); with aging off it waits for the load to end."""
+
+    async def waited(aging: float | None) -> tuple[float, float]:
+        """The background row's queue wait and its time to its end."""
+        async with checked_engine("llama", batch=2, priority_aging=aging) as engine:
+            end = trio.current_time() + 4.0  # the interactive load: four seconds
+
+            async def interactive(i: int) -> None:
+                while trio.current_time() < end:
+                    await engine.generate([5 + i] * 20, max_tokens=12, logit_bias=NO_END)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(interactive, i)
+                await engine.stats_actor.wait_for(lambda s: s.pending_rows >= 2)
+                start = trio.current_time()
+                low = await engine.generate([90] * 20, max_tokens=4, logit_bias=NO_END,
+                                            priority="background")  # fmt: skip
+                took = trio.current_time() - start
+            assert low.usage.priority == "background"
+            return low.usage.queue_wait, took
+
+    wait, _ = await waited(0.25)
+    assert wait < 2 * 0.25 + 1.0, wait  # its bound: twice the aging, then the next free slot
+    _, starved = await waited(None)
+    assert starved >= 3.0, starved  # no aging: behind every interactive row to the end
+
+
+async def subagent_flood(priorities: bool) -> tuple[FloodReport, dict]:
+    """The main agent's three turns while six of its own sub-agents flood two
+    slots, all in one Claude Code session, over /v1/messages (the sub-agents'
+    attribution line says ``cc_is_subagent=true;``)."""
+    async with running_server(batch=2, prompt_cache_bytes=1 << 20, prompt_cache_disk=0,
+                              priorities=priorities) as (url, _):  # fmt: skip
+        spec = FloodSpec(url, agents=6, turns=3, history_words=120, agent_system_words=20,
+                         task_words=20, agent_tokens=40, turn_tokens=8, gap=0.3,
+                         before=0.5, warmup_requests=6, subagents=True)  # fmt: skip
+        with trio.fail_after(120):
+            report = await run_flood(spec)
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            stats = (await client.get("/stats")).json()
+            metrics = (await client.get("/metrics")).text
+    return report, {**stats, "metrics": metrics}
+
+
+async def test_a_main_agent_goes_ahead_of_its_own_sub_agents_over_http():
+    """Claude Code's traffic shape: the main agent's turns (interactive) pause a
+    sub-agent at once and are admitted ahead of the queued sub-agents; its
+    history stays cached; the classes' figures are in /stats and /metrics, and
+    each request's class in the recent requests. With --priorities off the main
+    agent's turns queue behind the sub-agents, first come first served."""
+    report, stats = await subagent_flood(priorities=True)
+    assert report.errors == () and len(report.turn_seconds) == 3, report
+    assert min(report.history_cached) >= 0.9, report
+    classes = stats["classes"]
+    assert classes["interactive"]["tokens"] > 0 and classes["subagent"]["tokens"] > 0
+    assert report.paused >= 1 and stats["paused"] >= 1
+    recent = stats["recent_requests"]
+    main = [r for r in recent if r.get("priority") == "interactive"]
+    subs = [r for r in recent if r.get("priority") == "subagent"]
+    assert main and subs, recent
+    slowest_main = max(r["queue_wait_seconds"] for r in main)
+    typical_sub = sorted(r["queue_wait_seconds"] for r in subs)[len(subs) // 2]
+    assert slowest_main < typical_sub, (slowest_main, typical_sub)
+    assert 'mlx_nursery_class_generated_tokens_total{class="subagent"}' in stats["metrics"]
+    assert 'mlx_nursery_class_queued{class="interactive"}' in stats["metrics"]
+    fcfs, plain = await subagent_flood(priorities=False)
+    assert fcfs.errors == () and fcfs.paused == 0
+    assert {r.get("priority") for r in plain["recent_requests"] if "priority" in r} == {
+        "interactive"
+    }

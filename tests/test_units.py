@@ -181,6 +181,65 @@ def test_to_pause_leaves_fifo_alone_and_weights_move_the_share():
     assert to_pause(q, serial, cap=4, now=9.0, pause_after=0.5) is None
 
 
+def ranked(session, i, priority, phase=None):
+    r = of(session, i) if phase is None else running(session, i, phase)
+    r.priority = priority
+    return r
+
+
+def test_plan_admits_the_best_class_first_and_aging_lifts_the_others():
+    """A main agent's row (interactive) goes ahead of its own sub-agents' queued
+    before it, and of background work; after ``aging`` seconds a sub-agent ranks
+    with it (then the older row first), a background row after twice that."""
+    q = deque([ranked("A", 0, 1), ranked("A", 1, 2), ranked("A", 2, 0), ranked("A", 3, 1)])
+    p = plan(deque(q), cap=2, in_batch=0, serial_running=False, closing=False, now=5.0,
+             aging=10.0)  # fmt: skip
+    assert ids(p.to_batch) == [2, 0]
+    p = plan(deque(q), cap=2, in_batch=0, serial_running=False, closing=False, now=10.0,
+             aging=10.0)  # fmt: skip
+    assert ids(p.to_batch) == [0, 2]  # the sub-agent waited 10 s: it ranks as interactive
+    p = plan(deque(q), cap=4, in_batch=0, serial_running=False, closing=False, now=20.0,
+             aging=10.0)  # fmt: skip
+    assert ids(p.to_batch) == [0, 1, 2, 3]  # everyone interactive at 20 s: arrival order
+    p = plan(deque(q), cap=4, in_batch=0, serial_running=False, closing=False)
+    assert ids(p.to_batch) == [2, 0, 3, 1]  # no aging: by class, then arrival
+
+
+def test_to_pause_makes_room_at_once_for_a_better_class():
+    """The batch full of a session's sub-agents: its main agent's turn pauses the
+    latest sub-agent at once (no ``pause_after`` wait), background before that;
+    a sub-agent that ranks better only by waiting pauses nobody."""
+    admitted = [ranked("A", i, 1, Phase.DECODING) for i in range(3)]
+    admitted.append(ranked("A", 3, 2, Phase.DECODING))
+    q = deque([ranked("A", 5, 1), ranked("A", 6, 0)])
+    assert to_pause(q, admitted, cap=4, now=0.0, pause_after=0.5).id == 3  # background first
+    admitted[3].priority = 1
+    assert to_pause(q, admitted, cap=4, now=0.0, pause_after=0.5).id == 3  # then the latest
+    q = deque([ranked("A", 5, 1)])
+    assert to_pause(q, admitted, cap=4, now=99.0, pause_after=0.5, aging=10.0) is None
+    everyone = [ranked("A", i, 0, Phase.DECODING) for i in range(4)]
+    assert to_pause(deque([ranked("A", 6, 0)]), everyone, cap=4, now=0.0, pause_after=0.5) is None
+
+
+def test_to_pause_for_a_session_takes_a_worse_class_first():
+    admitted = [ranked("A", 0, 1, Phase.DECODING), ranked("A", 1, 0, Phase.DECODING),
+                ranked("A", 2, 1, Phase.DECODING), ranked("A", 3, 0, Phase.DECODING)]  # fmt: skip
+    q = deque([ranked("B", 4, 0)])
+    assert to_pause(q, admitted, cap=4, now=9.0, pause_after=0.5).id == 2
+
+
+def test_priority_is_read_as_a_class_or_vllms_integer():
+    from mlx_nursery.actors.request import Priority, priority_of
+
+    assert priority_of("subagent") == 1 and priority_of(" Background ") == 2
+    assert priority_of(0) == 0 and priority_of("-3") == -3 and priority_of(7.0) == 7
+    assert Priority.of_rank(-3) is Priority.INTERACTIVE and Priority.of_rank(7).name == "BACKGROUND"
+    for bad in ("urgent", True, 1.5, 10**6, None, [1]):
+        with pytest.raises(InvalidRequest, match="priority must be") as e:
+            priority_of(bad)
+        assert e.value.param == "priority"
+
+
 def test_session_weight_is_checked():
     assert session_weight("2.5") == 2.5
     for bad in ("0", "-1", "nan", "inf", "heavy", True, 10_000):

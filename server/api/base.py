@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import trio
 from mlx_nursery.actors import ContextOverflow, Event, Request, RequestStream, Result
+from mlx_nursery.actors.request import Priority
 
 
 @attrs.frozen
@@ -243,15 +244,39 @@ PARENT_HEADER = "X-Parent-Session-Id"
 # The session's weight in sharing the batch's slots (1 by default; see docs/sessions.md).
 WEIGHT_HEADER = "X-Session-Weight"
 REQUEST_ID_HEADER = "X-Request-Id"
+# The request's class or rank (docs/sessions.md), on every route; a body's
+# ``priority`` (vLLM's field: chat, completions, responses) comes first.
+PRIORITY_HEADER = "X-Priority"
+
+
+def priority_field(body: Mapping[str, Any], headers: Mapping[str, str] | None,
+                   fields: dict[str, str]) -> Any:  # fmt: skip
+    """The body's ``priority`` (vLLM's field), if any; where the header gives it
+    instead, an error about it names the header (``fields``)."""
+    if body.get("priority") is None and headers is not None and PRIORITY_HEADER in headers:
+        fields["priority"] = PRIORITY_HEADER
+    return body.get("priority")
 
 
 def request_of(
-    prompt: Any, params: dict[str, Any], headers: Mapping[str, str] | None, *hints: Any
+    prompt: Any,
+    params: dict[str, Any],
+    headers: Mapping[str, str] | None,
+    *hints: Any,
+    priority: Any = None,
+    reading: Priority | None = None,
 ) -> Request:
     """The engine's request: the prompt, the client's fields, and who sent it,
     all read here: the request id, the session (see :func:`session_of`; ``hints``
-    are the body's), the parent session and the session's weight."""
+    are the body's), the parent session, the session's weight, and the priority:
+    the body's (``priority``), else the header's, else the class the API read
+    from the client's traffic (``reading``: Claude Code's sub-agents), else none
+    (interactive)."""
     headers = headers if headers is not None else {}
+    if priority is None:
+        priority = headers.get(PRIORITY_HEADER)
+    if priority is None:
+        priority = reading
     return Request(
         prompt,
         # What a client reads never carries the tokenizer's control tokens unless it
@@ -261,6 +286,7 @@ def request_of(
         session=session_of(headers, *hints),
         parent=headers.get(PARENT_HEADER),
         weight=headers.get(WEIGHT_HEADER),
+        priority=priority,
     )
 
 

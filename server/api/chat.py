@@ -9,7 +9,7 @@ import attrs
 from mlx_nursery.actors import Event, FinishReason, Result
 from mlx_nursery.actors.tools import ToolCall
 
-from .base import Parsed, bad, check_bool, model_of, request_of
+from .base import Parsed, bad, check_bool, model_of, priority_field, request_of
 from .openai import (
     TOOL_FIELDS,
     ChunkShaper,
@@ -101,7 +101,8 @@ def parse_chat(body: Any, headers: Mapping[str, str] | None = None) -> Parsed:
         params["chat_template_kwargs"] = thinking
     stream, include_usage = stream_flags(body)
     ids = bool(check_bool(body, "return_token_ids"))
-    request = request_of(rendered, params, headers, *session_hints(body))
+    request = request_of(rendered, params, headers, *session_hints(body),
+                         priority=priority_field(body, headers, fields))  # fmt: skip
     return Parsed(request, stream, include_usage, model_of(body), fields, ids, ignored,
                   n=body.get("n") or 1)  # fmt: skip
 

@@ -8,7 +8,16 @@ from typing import Any
 import attrs
 from mlx_nursery.actors import ContextOverflow, Event, FinishReason, Result
 
-from .base import ApiError, Parsed, bad, check_bool, model_of, openai_context_error, request_of
+from .base import (
+    ApiError,
+    Parsed,
+    bad,
+    check_bool,
+    model_of,
+    openai_context_error,
+    priority_field,
+    request_of,
+)
 from .openai import (
     ChunkShaper,
     OpenAIApi,
@@ -37,7 +46,8 @@ def parse_completion(body: Any, headers: Mapping[str, str] | None = None) -> Par
         fields["top_logprobs"] = "logprobs"
     stream, include_usage = stream_flags(body)
     ids = bool(check_bool(body, "return_token_ids"))
-    request = request_of(prompt, params, headers, *session_hints(body))
+    request = request_of(prompt, params, headers, *session_hints(body),
+                         priority=priority_field(body, headers, fields))  # fmt: skip
     return Parsed(request, stream, include_usage, model_of(body), fields, ids,
                   n=body.get("n") or 1)  # fmt: skip
 

@@ -35,8 +35,10 @@ from typing import Any
 
 import attrs
 from mlx_nursery.actors import ContextOverflow, Event, FinishReason, Result, Usage
+from mlx_nursery.actors.request import Priority
 
 from .base import (
+    PRIORITY_HEADER,
     Api,
     ApiError,
     Parsed,
@@ -76,6 +78,10 @@ ATTRIBUTION = re.compile(
     r"x-anthropic-billing-header: cc_version=[0-9A-Za-z.+-]+; cc_entrypoint=[\w.-]+;"
     r"(?: cch=[0-9a-f]+;)?(?: cc_workload=[\w.-]+;)?(?: cc_is_subagent=true;)?"
 )
+# A Claude Code sub-agent's requests carry its agent's id (and, where the
+# attribution line is on, ``cc_is_subagent=true;``).
+AGENT_ID_HEADER = "x-claude-code-agent-id"
+CLAUDE_CODE_SESSION = "x-claude-code-session-id"
 # What the intake changed in a prompt (``Parsed.adjusted``), as /stats counts it.
 DROPPED_ATTRIBUTION = "claude_code_attribution_dropped"
 SYSTEM_FIRST = "early_system_turns_moved_first"
@@ -254,6 +260,29 @@ def _system_first(
     return [{"role": "system", "content": "\n\n".join(texts)}, *rest], (SYSTEM_FIRST,)
 
 
+def claude_code_class(
+    body: Mapping[str, Any], headers: Mapping[str, str] | None
+) -> Priority | None:
+    """The class Claude Code's traffic shows (None: not Claude Code's): a
+    sub-agent's requests carry its agent id header, and ``cc_is_subagent=true;``
+    in the attribution line where that is on; a request with no tools is
+    background work (a title, a summary, the small/fast model's checks); the rest
+    are the main agent's, which the person waits on."""
+    lower = {k.lower(): v for k, v in (headers or {}).items()}
+    if CLAUDE_CODE_SESSION not in lower and not lower.get("user-agent", "").startswith(
+        "claude-cli"
+    ):
+        return None
+    system = body.get("system")
+    first = system[0] if isinstance(system, list) and system else None
+    line = first.get("text") if isinstance(first, Mapping) else None
+    if AGENT_ID_HEADER in lower or (
+        isinstance(line, str) and ATTRIBUTION.fullmatch(line) and "cc_is_subagent=true;" in line
+    ):
+        return Priority.SUBAGENT
+    return Priority.INTERACTIVE if body.get("tools") else Priority.BACKGROUND
+
+
 def parse_messages(
     body: Any, headers: Mapping[str, str] | None = None, as_sent: bool = False
 ) -> Parsed:
@@ -295,7 +324,8 @@ def parse_messages(
     fields = {"stop": "stop_sequences", "response_format": "output_config"}
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, Mapping) else None
-    request = request_of(chat, params, headers, user)
+    fields["priority"] = PRIORITY_HEADER  # Anthropic's API has no field for it
+    request = request_of(chat, params, headers, user, reading=claude_code_class(body, headers))
     return Parsed(request, stream, False, model, fields, ignored_tools=ignored, adjusted=adjusted)
 
 

@@ -46,6 +46,7 @@ IGNORED = frozenset((
 _COMMON = (
     *_SAMPLING, "model", "max_completion_tokens", "n", "stream", "stream_options",
     "return_token_ids", "user", "safety_identifier", "prompt_cache_key",
+    "priority",  # vLLM's: the request's class or rank (docs/sessions.md)
 )  # fmt: skip
 _CHAT = (
     "messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",

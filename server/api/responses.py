@@ -34,6 +34,7 @@ from .base import (
     model_of,
     new_id,
     object_body,
+    priority_field,
     refuse_unknown,
     request_of,
     sse_event,
@@ -44,6 +45,7 @@ HONOURED = frozenset((
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
     "max_output_tokens", "temperature", "top_p", "text", "reasoning", "stream",
     "prompt_cache_key", "user", "safety_identifier", "speculative",
+    "priority",  # vLLM's: the request's class or rank (docs/sessions.md)
 ))  # fmt: skip
 # Documented with no meaning here: accepted and ignored (docs/http.md). ``include``
 # asks for extras (encrypted reasoning, logprobs...): none apply, none are sent.
@@ -226,7 +228,8 @@ def parse_responses(body: Any, headers: Mapping[str, str] | None = None) -> Pars
     stream, model = bool(check_bool(body, "stream")), model_of(body)
     fields = {"max_tokens": "max_output_tokens", "response_format": "text"}
     names = {flat: key for key, flat in aliases.items()}
-    request = request_of(chat, params, headers, *session_hints(body))
+    request = request_of(chat, params, headers, *session_hints(body),
+                         priority=priority_field(body, headers, fields))  # fmt: skip
     return Parsed(request, stream, False, model, fields, ignored_tools=ignored, tool_names=names)
 
 
