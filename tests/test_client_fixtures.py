@@ -14,6 +14,7 @@ import pytest
 import trio
 from conftest import GOLDENS, server_process
 from mlx_nursery.actors import EngineSettings
+from mlx_nursery.actors.request import Priority
 from mlx_nursery.server.api.messages import DROPPED_ATTRIBUTION, SYSTEM_FIRST, parse_messages
 from mlx_nursery.server.api.messages import HONOURED as MESSAGES_HONOURED
 from mlx_nursery.server.api.messages import IGNORED as MESSAGES_IGNORED
@@ -28,6 +29,28 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "clients"
 
 def fixture(name: str) -> dict:
     return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+def test_claude_codes_traffic_says_each_requests_class():
+    """The captured main-agent request is interactive; the same request from a
+    sub-agent (its agent id header, as Claude Code 2.1.197 sends it, or the
+    attribution line's ``cc_is_subagent=true;``) is a sub-agent's; one with no
+    tools (a title, a summary) is background; the X-Priority header overrides
+    all of it; another client's request is left interactive."""
+    sent = fixture("claude_code_messages")
+    body, headers = sent["body"], sent["headers"]
+    assert parse_messages(body, headers).request.priority == Priority.INTERACTIVE
+    sub = {**headers, "x-claude-code-agent-id": "adb97ff53ced2634a"}
+    assert parse_messages(body, sub).request.priority == Priority.SUBAGENT
+    line = body["system"][0]["text"] + " cc_is_subagent=true;"
+    flagged = {**body, "system": [{"type": "text", "text": line}, *body["system"][1:]]}
+    assert parse_messages(flagged, headers).request.priority == Priority.SUBAGENT
+    bare = {k: v for k, v in body.items() if k != "tools"}
+    assert parse_messages(bare, headers).request.priority == Priority.BACKGROUND
+    told = parse_messages(body, {**sub, "X-Priority": "interactive"})
+    assert told.request.priority == "interactive"
+    other = {"content-type": "application/json", "user-agent": "Anthropic/Python 0.40.0"}
+    assert parse_messages(bare, other).request.priority is None
 
 
 def test_claude_codes_request_is_read_with_its_shared_parts_first():

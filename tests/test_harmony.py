@@ -111,8 +111,10 @@ def theirs(encoding, messages: list, tools: list) -> str:
     if instructions:
         developer = developer.with_instructions(instructions)
     if tools:
-        described = [ToolDescription.new(t["function"]["name"], t["function"]["description"],
-                                         parameters=t["function"]["parameters"]) for t in tools]  # fmt: skip
+        described = [
+            ToolDescription.new(fn["name"], fn["description"], parameters=fn["parameters"])
+            for fn in (t["function"] for t in tools)
+        ]
         developer = developer.with_function_tools(described)
     if instructions or tools:
         out.append(Message.from_role_and_content(Role.DEVELOPER, developer))
@@ -166,14 +168,14 @@ CONVERSATIONS = {
         [ASK, CALL, RESULT, {"role": "assistant", "content": "It says line one."},
          {"role": "user", "content": "And b.txt?"}],
         TOOLS,
-    ),  # fmt: skip
+    ),
     "a call with no reasoning": (
         [ASK, {"role": "assistant", "content": None,
                "tool_calls": [_call("Grep", {"pattern": "TODO", "recurse": True})]},
          {"role": "tool", "tool_call_id": "call_1", "content": "none"}],
         TOOLS,
-    ),  # fmt: skip
-}
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", sorted(CONVERSATIONS))

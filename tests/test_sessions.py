@@ -345,3 +345,21 @@ async def test_a_main_agent_goes_ahead_of_its_own_sub_agents_over_http():
     assert {r.get("priority") for r in plain["recent_requests"] if "priority" in r} == {
         "interactive"
     }
+
+
+async def test_a_priority_is_checked_on_the_body_and_the_header():
+    body = {"model": "llama", "prompt": "Hi", "max_tokens": 4}
+    async with running_server(batch=2) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            bad = await client.post("/v1/completions", json={**body, "priority": "urgent"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+            assert "interactive, subagent or background" in bad.json()["error"]["message"]
+            bad = await client.post("/v1/completions", json=body, headers={"X-Priority": "9999"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Priority"
+            ok = await client.post("/v1/completions", json={**body, "priority": 2})
+            assert ok.status_code == 200
+            ok = await client.post("/v1/completions", json=body,
+                                   headers={"X-Priority": "subagent"})  # fmt: skip
+            assert ok.status_code == 200
+            recent = (await client.get("/stats")).json()["recent_requests"]
+            assert [r["priority"] for r in recent[-2:]] == ["background", "subagent"]
