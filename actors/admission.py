@@ -189,6 +189,7 @@ class Starving:
     held: collections.Counter  # admitted rows per share key
     fair: dict[Any, float]  # each key's share
     weights: dict[Any, float]
+    head: Row  # the row waiting
 
 
 def _full(queue: deque[Row], admitted: Sequence[Row], cap: int) -> bool:
@@ -198,23 +199,39 @@ def _full(queue: deque[Row], admitted: Sequence[Row], cap: int) -> bool:
     return bool(queue) and batch >= cap and batch == len(admitted)
 
 
+def limit(cap: int, room: int, priority: int, best: int | None) -> int:
+    """The slots rows of class ``priority`` may hold while a row of class
+    ``best`` runs: all of them, or, beside a better class, ``room`` fewer (at
+    least one). A better class's decode steps are then smaller: on a CPU a
+    step's cost grows with its rows (docs/sessions.md)."""
+    return cap if best is None or priority <= best else max(1, cap - room)
+
+
 def outranked(
     queue: deque[Row], admitted: Sequence[Row], *, cap: int, now: float,
-    aging: float | None = None,
+    aging: float | None = None, room: int = 0,
 ) -> Row | None:  # fmt: skip
     """The running row to pause at once for a better class (a main agent's turn
-    behind its own sub-agents, a sub-agent behind background work): when the
-    batch is full and the row admission takes next (:func:`next_head`) is of a
-    better class than a decoding row, the decoding row of the worst class, the
-    latest of them. Classes are the rows' own (``Row.priority``): a row that
+    behind its own sub-agents, a sub-agent behind background work): the
+    decoding row of the worst class, the latest of them, while the batch holds
+    more rows than it may: a slot short when the row admission takes next
+    (:func:`next_head`) is of a better class than a row in the full batch, and
+    ``room`` slots short while a better class runs beside worse ones
+    (:func:`limit`). Classes are the rows' own (``Row.priority``): a row that
     ranks better only by waiting is admitted first, but pauses nobody."""
-    if not _full(queue, admitted, cap):
+    batch = [r for r in admitted if r.lane is Lane.CONTINUOUS]
+    if not batch or len(batch) != len(admitted):
+        return None  # an empty batch, or a serial row runs (the batch drains for it)
+    best, most = min(r.priority for r in batch), cap
+    if queue and len(batch) >= cap:
+        held = collections.Counter(share_key(r) for r in admitted)
+        head = next_head(queue, held, weights_of([*queue, *admitted]), now, aging)
+        if head.lane is Lane.CONTINUOUS and head.priority < max(r.priority for r in batch):
+            best, most = min(best, head.priority), cap - 1
+    worse = [r for r in batch if r.priority > best and r.phase is Phase.DECODING]
+    most = min(most, limit(cap, room, best + 1, best)) if worse else most
+    if len(batch) <= most:
         return None
-    held = collections.Counter(share_key(r) for r in admitted)
-    head = next_head(queue, held, weights_of([*queue, *admitted]), now, aging)
-    if head.lane is not Lane.CONTINUOUS:
-        return None
-    worse = [r for r in admitted if r.phase is Phase.DECODING and r.priority > head.priority]
     return max(worse, key=lambda r: (r.priority, r.id), default=None)
 
 
@@ -237,7 +254,7 @@ def starving(
     fair = shares(held + collections.Counter(share_key(r) for r in queue), weights, cap)
     if held[share_key(head)] >= math.floor(fair[share_key(head)] + _EPS):
         return None  # it holds its share already: it waits for a slot to free
-    return Starving(held, fair, weights)
+    return Starving(held, fair, weights, head)
 
 
 _EPS = 1e-9
@@ -251,14 +268,16 @@ def to_pause(
     now: float,
     pause_after: float,
     aging: float | None = None,
+    room: int = 0,
 ) -> Row | None:
     """The running row to pause now, or None: for a better class at once
     (:func:`outranked`); else for a waiting session (:func:`starving`), the
     decoding row of the session furthest over its share (per unit of weight),
-    its worst class first, then the latest-arrived. After the pause that session
-    still holds at least the floor of its share, so pausing never swings back
-    and forth. ``admitted`` are the admitted rows."""
-    row = outranked(queue, admitted, cap=cap, now=now, aging=aging)
+    its worst class first, then the latest-arrived, never of a better class than
+    the waiting row's. After the pause that session still holds at least the
+    floor of its share, so pausing never swings back and forth. ``admitted``
+    are the admitted rows."""
+    row = outranked(queue, admitted, cap=cap, now=now, aging=aging, room=room)
     if row is not None:
         return row
     s = starving(queue, admitted, cap=cap, now=now, pause_after=pause_after, aging=aging)
@@ -269,8 +288,9 @@ def to_pause(
         key=lambda k: (s.held[k] - s.fair[k]) / s.weights.get(k, 1.0),
         reverse=True,
     )
-    for key in over:
-        decoding = [r for r in admitted if share_key(r) == key and r.phase is Phase.DECODING]
+    for key in over:  # never a better class than the waiting row's (that would swing back)
+        decoding = [r for r in admitted if share_key(r) == key and r.phase is Phase.DECODING
+                    and r.priority >= s.head.priority]  # fmt: skip
         if decoding:
             return max(decoding, key=lambda r: (r.priority, r.id))
     return None
@@ -289,13 +309,17 @@ def plan(
     weights: Mapping[Any, float] | None = None,
     now: float | None = None,
     aging: float | None = None,
+    best: int | None = None,
+    room: int = 0,
 ) -> Plan:
     """Take the rows to admit now out of ``queue`` (mutates it).
 
     ``admitted`` counts the admitted rows per :func:`share_key`; the next row is
     :func:`next_head`'s (by ``weights``). That row is the head of line: when it
     does not fit (slots, the serial lane, the KV budget) it holds every other
-    row. ``live_bytes`` counts paused rows' KV already: a paused head needs none."""
+    row. ``live_bytes`` counts paused rows' KV already: a paused head needs none.
+    ``best`` is the best class among the admitted rows: while one runs, a row of
+    a worse class takes no more than ``cap - room`` slots (:func:`limit`)."""
     counts = collections.Counter(admitted or {})
     to_batch: list[Row] = []
     to_serial = None
@@ -311,7 +335,10 @@ def plan(
             break  # a serial head holds admission until it has run
         if serial_running or to_serial is not None or in_batch + len(to_batch) >= cap:
             break
+        if in_batch + len(to_batch) >= limit(cap, room, head.priority, best):
+            break  # the room is kept for the better class running
         queue.remove(head)
+        best = head.priority if best is None else min(best, head.priority)
         to_batch.append(head)
         counts[share_key(head)] += 1
         live_bytes += need
@@ -334,6 +361,7 @@ class Admission:
     pause_after: float | None = None  # see to_pause; None: never pause a row
     # Seconds of waiting that lift a queued row one class (see rank_now); None: never.
     aging: float | None = None
+    room: int = 0  # slots a worse class leaves free while a better one runs (see limit)
     _queue: deque[Row] = attrs.field(factory=deque, init=False)  # arrival order
     _lanes: dict[int, Lane] = attrs.field(factory=dict, init=False)  # admitted rows
     _admitted: dict[int, Row] = attrs.field(factory=dict, init=False)  # the same rows
@@ -575,6 +603,8 @@ class Admission:
             weights=weights_of(self._rows()),
             now=trio.current_time(),
             aging=self.aging,
+            best=min((r.priority for r in self._admitted.values()), default=None),
+            room=self.room,
         )
         now = trio.current_time()
         for row in (*p.to_batch, *([p.to_serial] if p.to_serial else [])):
@@ -603,6 +633,7 @@ class Admission:
             now=trio.current_time(),
             pause_after=self.pause_after,
             aging=self.aging,
+            room=self.room,
         )
         if row is not None:
             self._pausing.add(row.id)

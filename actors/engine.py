@@ -540,6 +540,7 @@ def _admission(
         queue_timeout=settings.queue_timeout,
         pause_after=settings.pause_after,
         aging=settings.priority_aging,
+        room=settings.priority_room,
     )
 
 

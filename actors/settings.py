@@ -262,6 +262,12 @@ class EngineSettings:
         "with interactive requests after this, background after twice this), so no class "
         "starves; off never lifts one",
     )  # fmt: skip
+    priority_room: int = setting(
+        0, validator=_at_least(0), parse=int,
+        help="batch slots a worse class leaves free while a better one runs (the main "
+        "agent's turn beside its sub-agents): the better class's decode steps are smaller, "
+        "at the worse class's throughput (docs/sessions.md)",
+    )  # fmt: skip
     ragged_attention: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",
         help="decode steps whose rows' lengths differ widely attend row by row over each "

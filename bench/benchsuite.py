@@ -1089,6 +1089,7 @@ def priority_flood(model: str, label: str, repeats: int) -> None:
     cases = {
         "main agent alone": ((), {"agents": False}),
         "classes (default)": ((), {}),
+        "classes, a slot of room (--priority-room 1)": (("--priority-room", "1"), {}),
         "first come, first served (--priorities off)": (("--priorities", "off"), {}),
     }
     runs: dict[str, list] = {name: [] for name in cases}

@@ -221,11 +221,37 @@ def test_to_pause_makes_room_at_once_for_a_better_class():
     assert to_pause(deque([ranked("A", 6, 0)]), everyone, cap=4, now=0.0, pause_after=0.5) is None
 
 
+def test_a_room_is_kept_free_of_a_worse_class_while_a_better_one_runs():
+    """With ``room`` 1 and four slots, a main agent's row beside its sub-agents:
+    one sub-agent is paused to make it a slot, a second to keep the room free,
+    and admission does not fill the room with a sub-agent; once no better class
+    runs, the sub-agents take every slot again."""
+    subs = [ranked("A", i, 1, Phase.DECODING) for i in range(4)]
+    main = ranked("A", 9, 0)
+    assert to_pause(deque([main]), subs, cap=4, now=0.0, pause_after=0.5, room=1).id == 3
+    main.phase = Phase.DECODING
+    batch = [*subs[:3], main]
+    assert to_pause(deque(), batch, cap=4, now=0.0, pause_after=0.5, room=1).id == 2
+    assert to_pause(deque(), batch, cap=4, now=0.0, pause_after=0.5) is None  # room 0
+    q = deque([ranked("A", 10, 1)])
+    p = plan(deque(q), cap=4, in_batch=3, serial_running=False, closing=False, best=0, room=1)
+    assert p.to_batch == ()
+    p = plan(deque(q), cap=4, in_batch=3, serial_running=False, closing=False, best=1, room=1)
+    assert ids(p.to_batch) == [10]
+    p = plan(deque([ranked("A", 11, 0)]), cap=4, in_batch=3, serial_running=False,
+             closing=False, best=1, room=1)  # fmt: skip
+    assert ids(p.to_batch) == [11]  # the better class takes the room
+
+
 def test_to_pause_for_a_session_takes_a_worse_class_first():
     admitted = [ranked("A", 0, 1, Phase.DECODING), ranked("A", 1, 0, Phase.DECODING),
                 ranked("A", 2, 1, Phase.DECODING), ranked("A", 3, 0, Phase.DECODING)]  # fmt: skip
     q = deque([ranked("B", 4, 0)])
     assert to_pause(q, admitted, cap=4, now=9.0, pause_after=0.5).id == 2
+    # a sub-agent of a session below its share never pauses an interactive row
+    # (its class would pause the sub-agent back): it waits for a slot
+    mains = [ranked("A", i, 0, Phase.DECODING) for i in range(4)]
+    assert to_pause(deque([ranked("B", 4, 1)]), mains, cap=4, now=9.0, pause_after=0.5) is None
 
 
 def test_priority_is_read_as_a_class_or_vllms_integer():
