@@ -97,6 +97,7 @@ bench: install openblas clients
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --overload
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --real --restart --repeats 2
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --flood --repeats 2
+	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --priority-flood --repeats 2
 	$(BIN)/python bench/benchsuite.py --model $(BENCH_MODEL) --speculative
 	$(BIN)/python bench/agent_loop.py
 	$(BIN)/python bench/models.py

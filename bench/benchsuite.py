@@ -1090,6 +1090,7 @@ def priority_flood(model: str, label: str, repeats: int) -> None:
         "main agent alone": ((), {"agents": False}),
         "classes (default)": ((), {}),
         "classes, a slot of room (--priority-room 1)": (("--priority-room", "1"), {}),
+        "classes, two slots of room (--priority-room 2)": (("--priority-room", "2"), {}),
         "first come, first served (--priorities off)": (("--priorities", "off"), {}),
     }
     runs: dict[str, list] = {name: [] for name in cases}
@@ -1458,7 +1459,7 @@ def main() -> int:
         "--priority-flood",
         action="store_true",
         help="only the main agent against its own sub-agents (issue #64): request classes "
-        "against first come, first served (--model); --flood runs it too",
+        "against first come, first served (--model)",
     )
     parser.add_argument(
         "--speculative",
@@ -1516,7 +1517,6 @@ def main() -> int:
         return 0
     if args.flood:
         flood(args.model, "bench-llama-30m (31M parameters)", args.repeats)
-        priority_flood(args.model, "bench-llama-30m (31M parameters)", args.repeats)
         return 0
     if args.priority_flood:
         priority_flood(args.model, "bench-llama-30m (31M parameters)", args.repeats)
