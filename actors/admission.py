@@ -363,8 +363,7 @@ class Admission:
     aging: float | None = None
     room: int = 0  # slots a worse class leaves free while a better one runs (see limit)
     _queue: deque[Row] = attrs.field(factory=deque, init=False)  # arrival order
-    _lanes: dict[int, Lane] = attrs.field(factory=dict, init=False)  # admitted rows
-    _admitted: dict[int, Row] = attrs.field(factory=dict, init=False)  # the same rows
+    _admitted: dict[int, Row] = attrs.field(factory=dict, init=False)  # by id, each on its lane
     # KV bytes of the admitted rows (their projection) and of the paused ones (held)
     _projected: dict[int, int] = attrs.field(factory=dict, init=False)
     _pausing: set[int] = attrs.field(factory=set, init=False)  # Pause sent, no answer yet
@@ -375,11 +374,11 @@ class Admission:
 
     @property
     def _in_batch(self) -> int:
-        return sum(1 for lane in self._lanes.values() if lane is Lane.CONTINUOUS)
+        return sum(1 for r in self._admitted.values() if r.lane is Lane.CONTINUOUS)
 
     @property
     def _serial_running(self) -> bool:
-        return any(lane is Lane.SERIAL for lane in self._lanes.values())
+        return any(r.lane is Lane.SERIAL for r in self._admitted.values())
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         channels = (self.inbox, self.to_prefill, self.to_serial, self.to_emitter)
@@ -422,7 +421,7 @@ class Admission:
             Gauge(Metric.PENDING_ROWS, len(self._queue)),
             Gauge(Metric.PAUSED_ROWS, len(paused)),
             Gauge(Metric.PAUSED_KV_BYTES, sum(r.work.nbytes for r in paused)),
-            Gauge(Metric.ACTIVE_ROWS, len(self._lanes)),
+            Gauge(Metric.ACTIVE_ROWS, len(self._admitted)),
             Gauge(Metric.KV_PROJECTED_BYTES, live),
             Gauge(Metric.QUEUE_OLDEST_WAIT, oldest),
         )
@@ -502,7 +501,7 @@ class Admission:
         match message:
             case Enqueue(row, reply):
                 with reply:
-                    refused = None if self._closing else self.refusal()
+                    refused = self.refusal()  # (None while closing)
                     try:
                         reply.send_nowait(refused or Accepted())
                     except trio.BrokenResourceError:  # the caller left before its answer
@@ -545,19 +544,18 @@ class Admission:
                 self._held.pop(row_id, None)  # routed to its owner as well
             case Shutdown(reason):
                 self._closing = True
-                for row_id in [r.id for r in self._queue] + list(self._lanes):
+                for row_id in [r.id for r in self._queue] + list(self._admitted):
                     await self._route(row_id, Cancel(row_id, reason))
             case _:
                 raise TypeError(f"admission got an unexpected message: {message!r}")
 
     def _leave(self, row_id: int) -> None:
         """An admitted row gave its slot back (it ended, or was paused)."""
-        if row_id not in self._lanes:  # every admitted row leaves exactly once
+        row = self._admitted.pop(row_id, None)
+        if row is None:  # every admitted row leaves exactly once
             raise RuntimeError(f"row {row_id} left twice (or was never admitted)")
-        del self._admitted[row_id]
-        lane = self._lanes.pop(row_id)
-        if not any(v is lane for v in self._lanes.values()):
-            self.gpu.give_lane(lane)
+        if not any(r.lane is row.lane for r in self._admitted.values()):
+            self.gpu.give_lane(row.lane)
 
     def _requeue(self, row: Row) -> None:
         """A paused row goes back in arrival order: first of its session's waiting rows."""
@@ -583,7 +581,8 @@ class Admission:
                     self._queue.remove(row)
                     await self._end_queued(row, End(message.reason, message.detail))
                 return
-        lane = self._lanes.get(row_id)
+        row = self._admitted.get(row_id)
+        lane = row.lane if row is not None else None
         if lane is Lane.CONTINUOUS:
             await self.to_prefill.send(message)  # prefill forwards what it does not hold
         elif lane is Lane.SERIAL:
@@ -610,7 +609,6 @@ class Admission:
         for row in (*p.to_batch, *([p.to_serial] if p.to_serial else [])):
             if self.gpu.lane is not row.lane:
                 self.gpu.take_lane(row.lane)
-            self._lanes[row.id] = row.lane
             self._admitted[row.id] = row
             self._projected[row.id] = row.kv_projected
             if row.phase is Phase.PAUSED:

@@ -214,8 +214,9 @@ class DiskEntry:
         return holds(self.tokens, self.trimmable, tokens)
 
 
-def shared_length(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading tokens two token arrays share (vectorised)."""
+def shared_length(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """How many leading tokens two prompts share (vectorised; lists or arrays)."""
+    a, b = np.asarray(a), np.asarray(b)
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if differ.size else n

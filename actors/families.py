@@ -415,7 +415,8 @@ class Family:
     name: str
     open: str  # a block of calls opens with this (``""``: the whole answer is one)
     close: str  # and closes with this (``""``: at the next ``open``, or the end)
-    parse: Callable[[str, Sequence], Parsed] = attrs.field(repr=False)
+    # A block's calls (None: Harmony, whose messages ``HarmonySplitter`` reads).
+    parse: Callable[[str, Sequence], Parsed] | None = attrs.field(repr=False)
     # The lark grammar of ``required`` calls (None: a family mlx-lm reads that we
     # cannot constrain: such calls are asked for in the generic format).
     grammar: Callable[[Sequence, bool, Lit], str] | None = attrs.field(repr=False)
@@ -429,7 +430,7 @@ class Family:
 
 
 FAMILIES = (
-    Family("harmony", "", "", lambda b, t: [], _harmony, ("<|channel|>", "<|start|>functions.")),
+    Family("harmony", "", "", None, _harmony, ("<|channel|>", "<|start|>functions.")),
     Family(
         "qwen3_coder",
         "<tool_call>",

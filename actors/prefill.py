@@ -26,10 +26,11 @@ import trio
 import trio.lowlevel
 
 from .admission import Left, Submit, rank_now, release
+from .disk_cache import shared_length
 from .emitter import TokenOut, Tokens
 from .gpu import Gpu
 from .mailbox import closing
-from .prompt_cache import EntryKind, Put, shared_prefix, take
+from .prompt_cache import EntryKind, Put, take
 from .request import FinishReason
 from .row import Backlog, Cancel, End, Finish, Pause, Phase, Row
 from .stats import Count, Gauge, Metric, Stats
@@ -201,7 +202,7 @@ def _waits_for_earlier(job: Prefill, earlier: list[Prefill], min_shared: int) ->
     that joiner to snapshot there. A held-back joiner takes again once released."""
     waits = False
     for other in earlier:
-        shared = min(shared_prefix(job.prompt, other.prompt), len(job.prompt) - 1)
+        shared = min(shared_length(job.prompt, other.prompt), len(job.prompt) - 1)
         if shared - job.done >= min_shared and other.done < shared:
             other.snapshot_at.add(min(shared, len(other.prompt) - 1))
             waits = True

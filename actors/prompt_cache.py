@@ -520,15 +520,6 @@ def _loaded(path: Any, trim: int) -> list[Any]:
     return caches
 
 
-def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two prompts share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 async def take(
     to_cache: trio.MemorySendChannel | None, tokens: list[int], session: Pin | None = None
 ) -> Hit:

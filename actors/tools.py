@@ -1,8 +1,9 @@
-"""Tool calls: the chat template's own format where mlx-lm knows it, else a generic one.
+"""Tool calls: the chat template's own format where its family is known, else a generic one.
 
-A template with its own tool markup (mlx-lm's ``tokenizer.has_tool_calling``) is
-rendered with ``tools=`` and its calls parsed by mlx-lm's tool parser
-(:func:`tool_format`). For every other model, the generic format: the
+A template with its own tool markup is rendered with ``tools=`` and its calls
+read in its family's syntax (:func:`tool_format`; ``families.py``: our parsers
+for the families we know, mlx-lm's tool parser for a template only mlx-lm
+knows). For every other model, the generic format: the
 request's tools are described in the system prompt and the model is asked to
 call one as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the
 Hermes convention). Earlier calls and tool results in the conversation are
@@ -387,8 +388,11 @@ class ToolScanner:
         return (body, []) if calls is None else ("", calls)
 
     def _parse(self, body: str) -> list[ToolCall] | None:
+        parse = self.format.family.parse
+        if parse is None:  # Harmony: its calls are messages, read by their channels
+            return None
         try:
-            found = self.format.family.parse(body, list(self.tools or ()))
+            found = parse(body, list(self.tools or ()))
         except Exception:  # a parser's own error: the text stays text
             return None
         return self._read(found)

@@ -6,8 +6,14 @@
 - ``joiner``: a joiner's prefill and prime (alone, or several padded together);
 - ``slots``: a row's sampling state in a batch, and what a step reads from it;
 - ``kv``: KV cache helpers the batch, the joiner and the prompt cache share;
+- ``quantized``: quantized KV in the batch (``--kv-bits``);
 - ``ragged``, ``cpu_softmax``: the CPU kernels a verify step's attention and
   logsumexp use;
+- ``fused`` (``--compile``: RMSNorm and RoPE compiled) and ``packed``
+  (``--packed-weights``: products from packed float32 weights), put on a model
+  at load;
+- ``syncs``: a decode step's waits on the device, counted and timed by phase;
+- ``warmup``: what a first request runs, run once at load;
 - ``calls``: the count of GPU calls begun (the GPU actor counts, the verifier
   reads it to time steps).
 

@@ -5,9 +5,10 @@ next. The step feeds each row its pending token and its drafts in one forward,
 samples the target's token at every position, and keeps a row's drafts up to
 the first one that differs from what the target sampled there (mlx-lm's rule,
 so the output is exactly the target's). Each row's KV is then rolled back by
-what it did not keep (``step.batch.Batch``). A draft costs a column of the step for
-every row, so the :class:`Gate` drafts only where the expected tokens per
-step pay for the wider step at this batch size (docs/speculative.md).
+what it did not keep (``step.verify``: the verifier's rollback). A draft costs
+a column of the step for every row, so the :class:`Gate` drafts only where the
+expected tokens per step pay for the wider step at this batch size
+(docs/speculative.md).
 
 The drafters:
 
