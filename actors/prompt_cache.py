@@ -390,7 +390,7 @@ class PromptCacheActor:
         self._pins = {s: pin for s, pin in self._pins.items() if pin[1] >= since}
         out: dict[tuple[int, ...], int] = {}
         for (_, klass), (key, _) in self._pins.items():
-            out[key] = min(out.get(key, klass), klass)
+            out[key] = min(out.get(key, int(klass)), int(klass))
         return out
 
     async def _take(self, tokens: list[int]) -> Hit:
