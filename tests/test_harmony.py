@@ -26,9 +26,10 @@ from conftest import GOLDENS
 
 sys.path.insert(0, str(GOLDENS))
 from family_fixtures import fetch, fetch_o200k, write_tokenizer
-from mlx_nursery.actors.families import BY_NAME, HarmonySplitter
+from mlx_nursery.actors.families import BY_NAME
 from mlx_nursery.actors.intake import harmony_template, tool_rendering
-from mlx_nursery.actors.tools import ToolFormat, ToolScanner
+from mlx_nursery.actors.tools import ToolFormat
+from test_families import harmony as splitter  # HarmonySplitter fed in pieces
 
 READ = {"type": "function", "function": {
     "name": "Read", "description": "Read a file",
@@ -201,8 +202,8 @@ ANSWERS = {
     '<|message|>{"path": "b.py"}<|call|>',
     "reasoning, a preamble, a call": "<|channel|>analysis<|message|>Plan.<|end|>"
     "<|start|>assistant<|channel|>commentary<|message|>On it.<|end|>"
-    '<|start|>assistant to=functions.Grep<|channel|>commentary json<|message|>{"pattern": "a"}'
-    "<|call|>",
+    "<|start|>assistant to=functions.Grep<|channel|>commentary json"
+    '<|message|>{"pattern": "a", "recurse": true}<|call|>',
 }
 
 
@@ -229,22 +230,10 @@ def parsed_by_harmony(encoding, text: str) -> tuple[str, str, list]:
     return content, reasoning, calls
 
 
-def parsed_by_us(text: str, pieces: int) -> tuple[str, str, list]:
-    scanner = ToolScanner(ToolFormat(BY_NAME["harmony"], True), TOOLS)
-    split = HarmonySplitter(scanner.harmony_call)
-    step = max(1, len(text) // pieces)
-    parts = [text[i : i + step] for i in range(0, len(text), step)]
-    content, reasoning, calls = "", "", []
-    for i, part in enumerate(parts):
-        c, r, k = split.feed(part, final=i == len(parts) - 1)
-        content, reasoning, calls = content + c, reasoning + r, calls + k
-    return content, reasoning, [(c.name, json.loads(c.arguments)) for c in calls]
-
-
 @pytest.mark.parametrize("case", sorted(ANSWERS))
 @pytest.mark.parametrize("pieces", [1, 7, 1000])
 def test_an_answer_reads_as_openai_harmony_reads_it(case, pieces, harmony):
     text = ANSWERS[case]
     # the emitter's text ends before the end token (<|return|>, <|call|>: stop tokens)
     shown = text.removesuffix("<|return|>").removesuffix("<|call|>")
-    assert parsed_by_us(shown, pieces) == parsed_by_harmony(harmony, text), case
+    assert splitter(shown, pieces) == parsed_by_harmony(harmony, text), case

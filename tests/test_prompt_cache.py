@@ -167,42 +167,29 @@ async def test_a_cache_hit_gives_the_same_tokens_as_a_cold_run(family):
     assert warm.tokens == cold.tokens
 
 
-def test_when_only_pinned_entries_are_left_the_one_being_put_goes():
-    """Two sessions' pinned entries that outgrow the cap: the main agent's long
-    history (put first) stays, and the sub-agents' newest put is what goes
-    (evicted, and spilled where a disk tier is on), not the history."""
-
-    def entry(n: int) -> list[KVCache]:
-        return [filled_kv(n)]
-
-    history, task = [1] * 40, [2] * 12
-    each = entry(40)[0].nbytes, entry(12)[0].nbytes
-    store = Store(max_size=10, max_bytes=sum(each) - 1)
-    store.put(history, entry(40), "assistant", sum(each), {tuple(history): 0})
-    pins = {tuple(history): 0, tuple(task): 0}
-    store.put(task, entry(12), "assistant", sum(each) - 1, pins)
-    assert store.take([*history, 3]).cached == 40
-    assert store.take([*task, 3]).cached == 0
-    assert store.evicted and list(store.evicted[-1]) == task
+HISTORY, TASK = (1,) * 40, (2,) * 12
 
 
-def test_when_only_pinned_entries_are_left_the_worst_class_goes_first():
-    """A session's sub-agent entry (class 1) and its main agent's history (class
-    0) both pinned and over the cap: the sub-agent's goes, even while the main
-    agent's is the one being put."""
-
-    def entry(n: int) -> list[KVCache]:
-        return [filled_kv(n)]
-
-    history, task = [1] * 40, [2] * 12
-    each = entry(40)[0].nbytes, entry(12)[0].nbytes
-    store = Store(max_size=10, max_bytes=sum(each) - 1)
-    store.put(task, entry(12), "assistant", sum(each), {tuple(task): 1})
-    pins = {tuple(history): 0, tuple(task): 1}
-    store.put(history, entry(40), "assistant", sum(each) - 1, pins)
-    assert store.take([*history, 3]).cached == 40
-    assert store.take([*task, 3]).cached == 0
-    assert list(store.evicted[-1]) == task
+@pytest.mark.parametrize(
+    ("first", "classes"),
+    [(HISTORY, {HISTORY: 0, TASK: 0}), (TASK, {HISTORY: 0, TASK: 1})],
+    ids=["the-one-being-put-goes", "the-worst-class-goes-first"],
+)
+def test_when_only_pinned_entries_are_left_the_history_stays(first, classes):
+    """Two pinned entries that outgrow the cap together: a main agent's long
+    history and a sub-agent's task. Of one class (two sessions), the one being
+    put goes (evicted, and spilled where a disk tier is on), not the history;
+    when the task is a sub-agent's (class 1) of the main agent's own session,
+    it goes even while the history is the one being put."""
+    caches = {HISTORY: [filled_kv(40)], TASK: [filled_kv(12)]}
+    both = sum(c[0].nbytes for c in caches.values())
+    store = Store(max_size=10, max_bytes=both - 1)
+    second = TASK if first == HISTORY else HISTORY
+    store.put(list(first), caches[first], "assistant", both, {first: classes[first]})
+    store.put(list(second), caches[second], "assistant", both - 1, classes)
+    assert store.take([*HISTORY, 3]).cached == 40
+    assert store.take([*TASK, 3]).cached == 0
+    assert store.evicted and tuple(store.evicted[-1]) == TASK
 
 
 def test_the_search_finds_what_mlx_lms_trie_search_finds():
