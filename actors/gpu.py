@@ -34,6 +34,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -152,8 +153,6 @@ class Gpu:
         self._thread.start()
 
     def _loop(self) -> None:
-        import time
-
         while True:
             job = self._jobs.get()
             if job is None:
@@ -304,8 +303,6 @@ class Gpu:
 
     def busy_for(self) -> float:
         """Seconds the call now running has taken so far (0 when idle)."""
-        import time
-
         started = self._call_started
         return 0.0 if started is None else time.monotonic() - started
 

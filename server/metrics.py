@@ -13,6 +13,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.utils import floatToGoString
 
+from .pool import ModelState
+
 PREFIX = "mlx_nursery"
 
 # Figures of the snapshot that are not posted metrics: (field, name, help).
@@ -151,8 +153,6 @@ _MODEL_COUNTERS = (
 
 
 def _pool_families(pool: dict):
-    from .pool import ModelState
-
     models = pool["models"]
     state = GaugeMetricFamily(f"{PREFIX}_model_state", "A model's state (1 for the current "
                               "one).", labels=["model", "state"])  # fmt: skip

@@ -42,10 +42,14 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import mlx.core as mx
 import trio
 from mlx_nursery.actors import Engine, EngineSettings, open_engine
+from mlx_nursery.actors.budget import auto_budget
 from mlx_nursery.actors.gpu import DeviceLock
-from mlx_nursery.actors.models.registry import short_id
+from mlx_nursery.actors.models.load import float_dtype
+from mlx_nursery.actors.models.registry import resolve, short_id
+from mlx_nursery.actors.step import packed
 
 from . import model_process
 from .api.base import ApiError
@@ -584,9 +588,6 @@ def estimate(ref: Any, settings: EngineSettings) -> int:
     dequantized where it is cast to float32 (as ``load.cast`` does); 0 where it
     cannot be read (measured once loaded). Runs in a worker thread (a GGUF file
     is converted here, once)."""
-    from mlx_nursery.actors.models.load import float_dtype
-    from mlx_nursery.actors.models.registry import resolve
-
     if not isinstance(ref, str | Path):
         return 0
     dtype = float_dtype(settings.dtype)
@@ -635,8 +636,6 @@ def packed_bytes(tensors: Mapping[str, dict], quantization: Mapping[str, Any],
                  dtype: str | None) -> int:  # fmt: skip
     """The packed copies ``--packed-weights`` will add at load (``step.packed``):
     the model's 2-D float32 weights (quantized ones dequantized to float32)."""
-    from mlx_nursery.actors.step import packed
-
     shapes = {}
     for name, t in tensors.items():
         base, _, part = name.rpartition(".")
@@ -661,8 +660,6 @@ def _bits(quantization: Mapping[str, Any], base: str) -> int:
 
 def auto_memory_budget() -> int:
     """Device memory less the headroom an ``auto`` KV budget keeps."""
-    from mlx_nursery.actors.budget import auto_budget
-
     return auto_budget(0)
 
 
@@ -670,8 +667,6 @@ def release_memory(own_process: bool) -> None:
     """After an engine closed: collect what it held, hand mlx's buffer cache and
     the C heap's free pages back to the system. A server process re-freezes its
     long-lived heap (``state.freeze_startup_heap``) around the collection."""
-    import mlx.core as mx
-
     if own_process:
         gc.unfreeze()
     gc.collect()
