@@ -229,7 +229,8 @@ def outranked(
         if head.lane is Lane.CONTINUOUS and head.priority < max(r.priority for r in batch):
             best, most = min(best, head.priority), cap - 1
     worse = [r for r in batch if r.priority > best and r.phase is Phase.DECODING]
-    most = min(most, limit(cap, room, best + 1, best)) if worse else most
+    if worse:
+        most = min(most, limit(cap, room, max(r.priority for r in worse), best))
     if len(batch) <= most:
         return None
     return max(worse, key=lambda r: (r.priority, r.id), default=None)

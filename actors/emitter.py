@@ -339,7 +339,7 @@ def usage_of(row: Row, d: _Delivery, finished: float) -> Usage:
         decode_tokens_per_second=decode_rate,
         cache=row.cache_report,
         session=row.session,
-        priority=row.klass.name.lower(),
+        priority=row.klass.label,
         drafts=Drafts(row.drafted, row.accepted, row.forwards, row.decoded)
         if row.drafted
         else None,

@@ -351,8 +351,9 @@ def template_arguments(tokenizer: Any, settings: EngineSettings) -> dict[str, An
     (gpt-oss: :func:`families.harmony_template`)."""
     out = dict(settings.template)
     template = out.get("chat_template") or getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str) and harmony_template(template) != template:
-        out["chat_template"] = harmony_template(template)
+    fixed = harmony_template(template) if isinstance(template, str) else template
+    if fixed != template:
+        out["chat_template"] = fixed
     return out
 
 

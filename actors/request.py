@@ -80,6 +80,11 @@ class Priority(enum.IntEnum):
         1 sub-agent, 2 and above background)."""
         return _CLASSES[min(max(rank, 0), 2)]
 
+    @property
+    def label(self) -> str:
+        """Its name as figures, records and the ``priority`` field write it."""
+        return self.name.lower()
+
 
 _CLASSES = tuple(Priority)
 

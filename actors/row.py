@@ -250,7 +250,7 @@ def view(row: Row, now: float) -> RowView:
         session=row.session,
         parent=row.parent,
         weight=row.weight,
-        priority=row.klass.name.lower(),
+        priority=row.klass.label,
         lane=str(row.lane),
         phase=row.phase.value,
         prompt_tokens=len(row.prompt),

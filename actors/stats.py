@@ -620,7 +620,7 @@ class Stats:
             **gauges,
             **{m.key: h[m].snapshot() for m in HISTOGRAMS},
             **{m.key: c[m] for m in COUNTERS},
-            classes={k.name.lower(): t.snapshot() for k, t in self._classes.items()},
+            classes={k.label: t.snapshot() for k, t in self._classes.items()},
         )
 
 

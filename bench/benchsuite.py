@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -1001,12 +1002,40 @@ def _beside(reports: list, phase: str) -> str:
     return f"{statistics.median(ratios):.2f}x" if ratios else "-"
 
 
+def _flood_runs(model: str, cases: dict, spec_of: Callable, repeats: int,
+                tag: str) -> dict[str, list]:  # fmt: skip
+    """Each case's reports over ``repeats`` rounds, a fresh server a run: a case is
+    (the server's flags, ``run_flood``'s sides ``agents`` / ``main`` and the
+    spec's own fields, e.g. ``sessions``)."""
+    from flood import run_flood
+
+    runs: dict[str, list] = {name: [] for name in cases}
+    for r in range(repeats):
+        for name, (flags, how) in cases.items():
+            sides = {k: v for k, v in how.items() if k in ("agents", "main")}
+            fields = {k: v for k, v in how.items() if k not in sides}
+            with flood_server(model, *flags) as server:
+                spec = spec_of(url=server.url, seed=r, **fields)
+                report = trio.run(functools.partial(run_flood, spec, **sides))
+            runs[name].append(report)
+            turns = ", ".join(f"{t:.2f}" for t in report.turn_seconds)
+            cached = ", ".join(f"{c:.2f}" for c in report.history_cached)
+            rate = report.agent_tokens_per_second
+            phases = "/".join("-" if v is None else f"{v:.1f}" for v in
+                              (report.agent_before, report.agent_in_turns, report.agent_between))
+            print(f"  {tag} {name}: B turns [{turns}] s, cached [{cached}], A "
+                  f"{'-' if rate is None else f'{rate:.1f}'} tok/s (before/in turns/between "
+                  f"{phases}), everyone {report.tokens_per_second:.1f} tok/s, paused "
+                  f"{report.paused}, errors {len(report.errors)}", flush=True)  # fmt: skip
+    return runs
+
+
 def flood(model: str, label: str, repeats: int) -> None:
     """Issue #25's flood (``bench/flood.py``): B's turns alone, A's sub-agents
     alone, then both, with sessions (pausing on, and off) and without (every
     request alone: one FIFO); each run on a fresh server (batch 4, a 96 MB
     prompt-cache cap, no disk tier carried over)."""
-    from flood import FloodSpec, run_flood
+    from flood import FloodSpec
 
     cases = {
         "B alone": ((), {"agents": False}),
@@ -1015,23 +1044,7 @@ def flood(model: str, label: str, repeats: int) -> None:
         "sessions, no pausing": (("--pause-after", "off"), {}),
         "one FIFO (no session header)": ((), {"sessions": False}),
     }
-    runs: dict[str, list] = {name: [] for name in cases}
-    for r in range(repeats):
-        for name, (flags, how) in cases.items():
-            sides = {k: v for k, v in how.items() if k != "sessions"}
-            with flood_server(model, *flags) as server:
-                spec = FloodSpec(url=server.url, seed=r, sessions=how.get("sessions", True))
-                report = trio.run(functools.partial(run_flood, spec, **sides))
-            runs[name].append(report)
-            turns = ", ".join(f"{t:.2f}" for t in report.turn_seconds)
-            cached = ", ".join(f"{c:.2f}" for c in report.history_cached)
-            rate = report.agent_tokens_per_second
-            phases = "/".join("-" if v is None else f"{v:.1f}" for v in
-                              (report.agent_before, report.agent_in_turns, report.agent_between))
-            print(f"  flood {name}: B turns [{turns}] s, cached [{cached}], A "
-                  f"{'-' if rate is None else f'{rate:.1f}'} tok/s (before/in turns/between "
-                  f"{phases}), paused {report.paused}, errors {len(report.errors)}",
-                  flush=True)  # fmt: skip
+    runs = _flood_runs(model, cases, FloodSpec, repeats, "flood")
     solo = statistics.median(t for rep in runs["B alone"] for t in rep.turn_seconds)
     alone = statistics.median(rep.agent_tokens_per_second for rep in runs["A alone"])
     rows = []
@@ -1082,7 +1095,7 @@ def priority_flood(model: str, label: str, repeats: int) -> None:
     the main agent alone, then beside the flood with request classes (the
     default) and first come, first served (``--priorities off``), each run on a
     fresh server (batch 4, a 96 MB prompt-cache cap)."""
-    from flood import FloodSpec, run_flood
+    from flood import FloodSpec
 
     spec_of = functools.partial(FloodSpec, agents=8, agent_tokens=192, history_words=600,
                                 subagents=True)  # fmt: skip
@@ -1093,18 +1106,7 @@ def priority_flood(model: str, label: str, repeats: int) -> None:
         "classes, two slots of room (--priority-room 2)": (("--priority-room", "2"), {}),
         "first come, first served (--priorities off)": (("--priorities", "off"), {}),
     }
-    runs: dict[str, list] = {name: [] for name in cases}
-    for r in range(repeats):
-        for name, (flags, sides) in cases.items():
-            with flood_server(model, *flags) as server:
-                report = trio.run(functools.partial(run_flood, spec_of(url=server.url, seed=r),
-                                                    **sides))  # fmt: skip
-            runs[name].append(report)
-            turns = ", ".join(f"{t:.2f}" for t in report.turn_seconds)
-            cached = ", ".join(f"{c:.2f}" for c in report.history_cached)
-            print(f"  priority flood {name}: main turns [{turns}] s, cached [{cached}], "
-                  f"everyone {report.tokens_per_second:.1f} tok/s, paused {report.paused}, "
-                  f"errors {len(report.errors)}", flush=True)  # fmt: skip
+    runs = _flood_runs(model, cases, spec_of, repeats, "priority flood")
     solo = statistics.median(t for rep in runs["main agent alone"] for t in rep.turn_seconds)
     fcfs = runs["first come, first served (--priorities off)"]
     base = statistics.median(rep.tokens_per_second for rep in fcfs)
