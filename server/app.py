@@ -172,6 +172,101 @@ class HealthFirst:
         await _answer(send, status, headers, data, head=method == "HEAD")
 
 
+TUNNEL = "mlx_nursery_tunnel"  # the body field a replica set's front tunnels a request in
+TUNNEL_ROUTE = "/v1/messages"  # the router's route the tunnel takes (it passes bodies as sent)
+TUNNEL_ERROR = "mlx_nursery_tunnel_error"  # a tunnelled request's error answer, in band
+
+
+@attrs.frozen
+class Tunnel:
+    """ASGI in front of a replica (``--replica``): a request the set's front
+    tunnelled through the router (``front.py``) is taken as the front received
+    it: its path, its headers (the router passes few) and its body.
+
+    The router (SGLang's Model Gateway) forwards a Messages body as sent, but
+    drops the headers sessions and classes are read from and rewrites a
+    Responses body with its own defaults (``temperature: 1.0``, ``top_k``); so
+    the front sends every request as a Messages body whose own text is only the
+    routing text, the request itself in ``TUNNEL``."""
+
+    app: Callable[..., Any]
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["path"] != TUNNEL_ROUTE or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        data = b"".join(chunks)
+        tunnel = None
+        if TUNNEL.encode() in data:
+            try:
+                tunnel = json.loads(data).get(TUNNEL)
+            except (ValueError, AttributeError):
+                tunnel = None
+        if not isinstance(tunnel, dict):
+            await self.app(scope, _replay([{"type": "http.request", "body": data}], receive), send)
+            return
+        data = json.dumps(tunnel.get("body")).encode()
+        given = {k.lower().encode("latin-1"): str(v).encode("latin-1")
+                 for k, v in (tunnel.get("headers") or {}).items()}  # fmt: skip
+        kept = [(k, v) for k, v in scope["headers"] if k not in given and k != b"content-length"]
+        headers = [*kept, *given.items(), (b"content-length", str(len(data)).encode())]
+        path = str(tunnel.get("path") or TUNNEL_ROUTE)
+        scope = {**scope, "path": path, "raw_path": path.encode(), "headers": headers}
+        await self.app(scope, _replay([{"type": "http.request", "body": data}], receive),
+                       _errors_in_band(send))  # fmt: skip
+
+
+def _errors_in_band(send: Callable) -> Callable:
+    """``send`` for a tunnelled request: an error answer (4xx, 5xx) goes back as
+    a 200 whose body is ``{TUNNEL_ERROR: {status, retry_after, body}}``, which
+    the front answers as it was (the router reshapes a worker's error bodies
+    into its own, in the Messages API's shape)."""
+    failed: dict | None = None
+    chunks: list[bytes] = []
+
+    async def tunnel_send(message: dict) -> None:
+        nonlocal failed
+        if message["type"] == "http.response.start" and message["status"] >= 400:
+            failed = message
+            return
+        if failed is None or message["type"] != "http.response.body":
+            await send(message)
+            return
+        chunks.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in failed["headers"]}
+        try:
+            body = json.loads(b"".join(chunks) or b"null")
+        except ValueError:
+            body = b"".join(chunks).decode(errors="replace")
+        error = {"status": failed["status"], "retry_after": headers.get("retry-after"),
+                 "body": body}  # fmt: skip
+        await _answer(send, 200, {"Content-Type": "application/json"},
+                      json.dumps({TUNNEL_ERROR: error}).encode())  # fmt: skip
+
+    return tunnel_send
+
+
+def _replay(messages: list[dict], receive: Callable) -> Callable:
+    """``receive`` for a body already read: its messages, then the connection's
+    own (its disconnect ends a stream whose client went away)."""
+    pending = list(messages)
+
+    async def replay() -> dict:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
+
+
 def create_app(settings: Settings) -> QuartTrio:
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
@@ -189,6 +284,8 @@ def create_app(settings: Settings) -> QuartTrio:
         await state.stop()
 
     app.asgi_app = HostCheck(HealthFirst(app.asgi_app, state), state)
+    if settings.replica:
+        app.asgi_app = Tunnel(app.asgi_app)
     app.before_request(_async(guard.authorize))
     app.after_request(_async(guard.cors))
     app.register_error_handler(ApiError, _async(error_response))

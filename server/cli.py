@@ -18,12 +18,12 @@ from mlx_nursery.actors.models.load import float_dtype
 from mlx_nursery.actors.models.registry import short_id
 from mlx_nursery.actors.ranks import check_shardable
 
-from . import bench, clients, launch, top
+from . import bench, clients, front, launch, replicas, top
 from .access import exposure_problem
 from .pool import DEFAULT_KEEP_ALIVE, models_in, parse_duration, spec_name
 from .serve import exit_now, maybe_reexec_with_openblas, serve
 from .settings import API_KEY_ENV, Settings
-from .state import pool_of
+from .state import ServerPhase, pool_of
 
 
 def _json(value: str) -> object:
@@ -160,6 +160,23 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
         help="shard across the machines of an mlx.launch hostfile (one rank per host "
         "entry; rank 0, the first, serves HTTP)",
     )
+    s.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve N copies of the model on this machine, each with its own engine, prompt "
+        "cache and disk tier, behind SGLang's Model Gateway (prefix-aware, sessions kept "
+        "where their cache is) on this address; see docs/scale-out.md (default: 1)",
+    )
+    s.add_argument(
+        "--replica-url",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="a replica already serving the same model elsewhere (another machine's "
+        "`mlx-nursery serve`), routed to beside the local ones; repeatable",
+    )
     s.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="logging level (default: INFO)")  # fmt: skip
@@ -202,7 +219,9 @@ def add_settings(parser: argparse.ArgumentParser, cls: type, defaults: object) -
         if isinstance(default, bool) and meta["parse"] is None:
             options["action"] = "store_true"  # off by default: the flag turns it on
         else:
-            options["type"] = _flag_type(meta["parse"] or type(default))
+            # a setting that defaults to None and names no parse takes the text as given
+            parse = meta["parse"] or (str if default is None else type(default))
+            options["type"] = _flag_type(parse)
         parser.add_argument(*names, **options)
 
 
@@ -341,6 +360,32 @@ def serve_rank(settings: Settings, group) -> int:
     exit_now(code, f"rank {rank} done")
 
 
+def serve_replicas(parser: argparse.ArgumentParser, argv: list[str], settings: Settings,
+                   count: int, urls: list[str], ranks: int) -> int:  # fmt: skip
+    """`serve --replicas N`: the front on this address, the router and the
+    replicas behind it (``server/front.py``, ``server/replicas.py``)."""
+    if ranks > 1:
+        parser.error("--replicas: a replica set serves whole copies; --ranks shards one")
+    if settings.models:
+        parser.error("--replicas: a replica set serves one model; give one --model")
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            parser.error(f"--replica-url: {url!r} is not an http:// or https:// URL")
+    try:
+        replicas.router_command()
+    except replicas.RouterMissing as exc:
+        parser.error(f"--replicas: {exc}")
+    group = replicas.ReplicaSet.of(
+        argv, count, urls, cache_dir=settings.engine.prompt_cache_dir,
+        memory_budget=settings.memory_budget,
+    )  # fmt: skip
+    state = trio.run(lambda: front.serve_front(settings, group))
+    if state.phase is ServerPhase.FAILED:
+        print(f"mlx-nursery: {state.error}", file=sys.stderr)
+        exit_now(1, "the replica set failed")
+    exit_now(0, "shut down")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -378,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--ranks: must be 1 or more")
         if ranks > 1 and settings.models:
             parser.error("--ranks: a sharded server serves one model; give one --model")
+        urls = getattr(args, "replica_url", None) or []
+        if args.replicas < 0 or (args.replicas == 0 and not urls):
+            parser.error("--replicas: must be 1 or more (0 only beside --replica-url)")
+        if args.replicas > 1 or urls:
+            return serve_replicas(parser, argv, settings, args.replicas, urls, ranks)
         if ranks > 1 and not launch.in_launch():
             try:
                 dtype = float_dtype(settings.engine.dtype)

@@ -98,6 +98,12 @@ class Settings:
         help="append one JSON line per finished request to FILE: timings and prompt-cache "
         "figures, no prompt text",
     )  # fmt: skip
+    # One replica of a set (--replicas): requests its front tunnels through the
+    # router's Messages route are taken as sent (``app.Tunnel``).
+    replica: bool = setting(
+        False, help="serve as one replica of a set behind its front and router "
+        "(--replicas starts them so; see docs/scale-out.md)",
+    )  # fmt: skip
     # Sharded (under mlx.launch): the mx.distributed group; this process is rank 0.
     group: Any = setting(None, cli=False, help="the mx.distributed group (rank 0)")
     # The process is the server's own (the CLI): its startup heap is frozen out of

@@ -1,0 +1,213 @@
+"""``serve --replicas``: two replicas behind the real router (SGLang's Model
+Gateway, ``smg``) on loopback, driven by the real SDKs (``docs/scale-out.md``,
+"Replicas"): every API streamed and not, a conversation kept where its cache
+is, the headers that name sessions reaching the replica, errors in each API's
+shape, a replica killed under a stream (a clear error at once, the next request
+on the other, the killed one back), and SIGTERM ending the whole set."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+from conftest import SERVER_TIMEOUT, free_port, model_path
+
+HEADERS = {"x-session-id": "conversation-1"}
+
+
+class ReplicaSet:
+    """``mlx-nursery serve --replicas 2`` in a process of its own, its log in a file."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / "front.log"
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        env["MLX_NURSERY_OPENBLAS"] = "0"
+        argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--port",
+                str(self.port), "--model", str(model_path("llama")), "--replicas", "2",
+                "--prompt-cache-dir", str(tmp / "kv"), "--log-level", "INFO"]  # fmt: skip
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out)
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    def said(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def wait_serving(self, count: int = 2, seconds: float = SERVER_TIMEOUT) -> dict:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.said()
+            try:
+                r = self.http.get("/health")
+                body = r.json()
+                if r.status_code == 200 and sum(
+                    x["status"] == "serving" for x in body["replicas"]
+                ) >= count:
+                    return body
+            except (httpx.TransportError, ValueError):
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"not {count} replicas serving in {seconds} s: {self.said()}")
+
+    def stats(self) -> dict:
+        return self.http.get("/stats").json()
+
+
+@pytest.fixture(scope="module")
+def replica_set(tmp_path_factory):
+    rs = ReplicaSet(tmp_path_factory.mktemp("replicas"))
+    try:
+        rs.wait_serving()
+        yield rs
+    finally:
+        if rs.proc.poll() is None:
+            rs.proc.kill()
+            rs.proc.wait(30)
+        rs.http.close()
+
+
+def _openai(rs: ReplicaSet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=rs.url + "/v1", api_key="none", default_headers=HEADERS)
+
+
+def test_health_models_and_stats_show_every_replica(replica_set):
+    health = replica_set.http.get("/health").json()
+    assert [r["status"] for r in health["replicas"]] == ["serving", "serving"]
+    models = replica_set.http.get("/v1/models").json()
+    assert len(models["data"]) == 1 and len(models["replicas"]) == 2
+    stats = replica_set.stats()
+    assert stats["router"]["policy"] == "cache_aware"
+    assert {w["url"] for w in stats["router"]["workers"]} == {r["url"] for r in stats["replicas"]}
+    metrics = replica_set.http.get("/metrics").text
+    assert 'replica="0"' in metrics and 'replica="1"' in metrics
+    page = replica_set.http.get("/")
+    assert page.status_code == 200 and "/stats" in page.text
+
+
+def test_every_api_answers_through_the_router_streamed_and_not(replica_set):
+    client = _openai(replica_set)
+    ask = [{"role": "user", "content": "Say hello."}]
+    whole = client.chat.completions.create(model="default", messages=ask, max_tokens=6,
+                                           temperature=0)  # fmt: skip
+    parts = client.chat.completions.create(model="default", messages=ask, max_tokens=6,
+                                           temperature=0, stream=True)  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    assert whole.choices[0].message.content == text and text
+
+    r = client.responses.create(model="default", input="Say hello.", max_output_tokens=6,
+                                temperature=0)  # fmt: skip
+    events = list(client.responses.create(model="default", input="Say hello.",
+                                          max_output_tokens=6, temperature=0, stream=True))
+    assert events[-1].type == "response.incomplete" and r.output_text
+    assert events[-1].response.output_text == r.output_text
+
+    claude = anthropic.Anthropic(base_url=replica_set.url, api_key="none",
+                                 default_headers=HEADERS)  # fmt: skip
+    m = claude.messages.create(model="claude-sonnet-4-5", max_tokens=6, messages=ask,
+                               extra_body={"temperature": 0})  # fmt: skip
+    with claude.messages.stream(model="claude-sonnet-4-5", max_tokens=6, messages=ask,
+                                extra_body={"temperature": 0}) as stream:  # fmt: skip
+        streamed = stream.get_final_message()
+    assert m.content[0].text == streamed.content[0].text
+    n = claude.messages.count_tokens(model="claude-sonnet-4-5", messages=ask)
+    assert n.input_tokens > 0
+
+
+def test_a_conversation_stays_where_its_cache_is(replica_set):
+    """Four turns of one session: one replica, every turn after the first found
+    in its cache; the session header reached it (the router passes few)."""
+    client = _openai(replica_set)
+    system = "You are a careful assistant. " * 40
+    messages = [{"role": "system", "content": system}]
+    cached = []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Question {turn}: what next?"})
+        r = client.chat.completions.create(model="default", messages=messages, max_tokens=5,
+                                           temperature=0)  # fmt: skip
+        cached.append(r.usage.prompt_tokens_details.cached_tokens / r.usage.prompt_tokens)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    assert min(cached[1:]) >= 0.9, cached
+    holders = [r["index"] for r in replica_set.stats()["replicas"]
+               if any(x.get("session") == "conversation-1"
+                      for x in r["stats"].get("recent_requests", []))]  # fmt: skip
+    assert len(holders) == 1, holders
+
+
+def test_bad_input_is_answered_in_each_apis_shape(replica_set):
+    http = replica_set.http
+    r = http.post("/v1/chat/completions", json={"messages": [], "bogus": 1})
+    assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
+    r = http.post("/v1/messages", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "max_tokens" in r.json()["error"]["message"]
+    r = http.post("/v1/responses", json={"input": "x", "temperature": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = http.post("/v1/chat/completions", json={"model": "nope", "messages": []})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = http.post("/v1/chat/completions", headers={"Host": "evil.example"}, json={})
+    assert r.status_code == 403
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_a_replica_killed_under_a_stream(replica_set, api):
+    """The stream ends at once with the API's error event; the next request is
+    answered by the other replica; the killed one serves again within 30 s."""
+    ask = [{"role": "user", "content": "Count."}]  # greedy: some 600 tokens from this model
+    body = {"chat": {"messages": ask, "max_tokens": 4000},
+            "messages": {"messages": ask, "max_tokens": 4000},
+            "responses": {"input": "Count.", "max_output_tokens": 4000}}[api]  # fmt: skip
+    path = {"chat": "/v1/chat/completions", "messages": "/v1/messages",
+            "responses": "/v1/responses"}[api]  # fmt: skip
+    session = f"victim-{api}"
+    got: dict = {}
+
+    def read() -> None:
+        with replica_set.http.stream("POST", path, headers={"x-session-id": session},
+                                     json={**body, "stream": True, "temperature": 0}) as r:
+            got["body"] = b"".join(r.iter_raw())
+            got["ended"] = time.monotonic()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    victim = None
+    deadline = time.monotonic() + 10
+    while victim is None and time.monotonic() < deadline:  # the replica its row runs on
+        live = replica_set.http.get("/v1/sessions").json()["data"]
+        victim = next((s["replica"] for s in live if s["id"] == session), None)
+    assert victim is not None, "the stream never ran"
+    pid = replica_set.http.get("/health").json()["replicas"][victim]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    reader.join(30)
+    assert got["ended"] - killed < 5.0
+    tail = got["body"][-600:].decode()
+    assert "replica_lost" in tail or "was lost" in tail, tail
+    if api == "chat":
+        assert tail.rstrip().endswith("data: [DONE]")
+    else:
+        assert "event: error" in tail
+    after = replica_set.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 3})
+    assert after.status_code == 200, after.text
+    health = replica_set.wait_serving(2, 30.0)
+    assert health["replicas"][victim]["pid"] != pid
+    assert health["replicas"][victim]["restarts"] >= 1
+
+
+def test_sigterm_stops_the_whole_set(replica_set):
+    pids = [r["pid"] for r in replica_set.stats()["replicas"]]
+    replica_set.proc.send_signal(signal.SIGTERM)
+    assert replica_set.proc.wait(60) == 0, replica_set.said()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
