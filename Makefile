@@ -106,6 +106,7 @@ bench: install openblas clients
 	$(BIN)/python bench/decode_floor.py
 	$(BIN)/python bench/compiled_step.py --openblas --real --model "bench llama 30M=$(BENCH_MODEL)" --extras --section compiled-step
 	$(BIN)/python bench/host_step.py --section host-step
+	$(BIN)/python bench/replicas.py
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
 # prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.

@@ -174,8 +174,17 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="URL",
-        help="a replica already serving the same model elsewhere (another machine's "
-        "`mlx-nursery serve`), routed to beside the local ones; repeatable",
+        help="a replica already serving the same model elsewhere, routed to beside the "
+        "local ones: another machine's `mlx-nursery serve --replica --api-key KEY`, KEY "
+        "this server's own --api-key; repeatable",
+    )
+    s.add_argument(
+        "--router-policy",
+        choices=replicas.POLICIES,
+        default=replicas.ROUTER_POLICY,
+        help="how the router places a replica set's requests: by the prompts it sent each "
+        "replica (cache_aware), or by load alone; round_robin and random are baselines "
+        "that ignore prompts and sessions (default: %(default)s)",
     )
     s.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -361,7 +370,7 @@ def serve_rank(settings: Settings, group) -> int:
 
 
 def serve_replicas(parser: argparse.ArgumentParser, argv: list[str], settings: Settings,
-                   count: int, urls: list[str], ranks: int) -> int:  # fmt: skip
+                   count: int, urls: list[str], ranks: int, policy: str) -> int:  # fmt: skip
     """`serve --replicas N`: the front on this address, the router and the
     replicas behind it (``server/front.py``, ``server/replicas.py``)."""
     if ranks > 1:
@@ -377,7 +386,7 @@ def serve_replicas(parser: argparse.ArgumentParser, argv: list[str], settings: S
         parser.error(f"--replicas: {exc}")
     group = replicas.ReplicaSet.of(
         argv, count, urls, cache_dir=settings.engine.prompt_cache_dir,
-        memory_budget=settings.memory_budget,
+        memory_budget=settings.memory_budget, policy=policy, key=settings.api_key,
     )  # fmt: skip
     state = trio.run(lambda: front.serve_front(settings, group))
     if state.phase is ServerPhase.FAILED:
@@ -427,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.replicas < 0 or (args.replicas == 0 and not urls):
             parser.error("--replicas: must be 1 or more (0 only beside --replica-url)")
         if args.replicas > 1 or urls:
-            return serve_replicas(parser, argv, settings, args.replicas, urls, ranks)
+            return serve_replicas(parser, argv, settings, args.replicas, urls, ranks,
+                                  args.router_policy)  # fmt: skip
         if ranks > 1 and not launch.in_launch():
             try:
                 dtype = float_dtype(settings.engine.dtype)

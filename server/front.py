@@ -42,7 +42,7 @@ from .app import (
     error_response,
 )
 from .pool import Pool
-from .replicas import ROUTER_POLICY, ReplicaSet
+from .replicas import ReplicaSet
 from .request_log import RequestLog
 from .routes import body_json, json_response
 from .serve import _signals, arm_exit_deadline, hypercorn_config
@@ -132,7 +132,7 @@ class _Started:
     def started(self, value: Any = None) -> None:
         self.state.phase = ServerPhase.SERVING
         log.info("serving %s on %d replicas behind the router (%s)", self.state.pool.default.name,
-                 len(self.state.replicas.replicas), ROUTER_POLICY)  # fmt: skip
+                 len(self.state.replicas.replicas), self.state.replicas.policy)  # fmt: skip
 
 
 @attrs.frozen
@@ -231,7 +231,7 @@ class FrontRoutes:
         totals = {k: sum(r.stats.get(k) or 0 for r in self.set.replicas) for k in TOTALS}
         return json_response({
             "model": self.state.pool.default.name, "replicas": replicas, "totals": totals,
-            "router": {"policy": ROUTER_POLICY, "url": self.set.router_url,
+            "router": {"policy": self.set.policy, "url": self.set.router_url,
                        "workers": await self.set.router_workers()},
             "refusals": self.state.requests.refusal_figures(),
         })  # fmt: skip

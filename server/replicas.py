@@ -47,6 +47,15 @@ from .settings import API_KEY_ENV
 log = logging.getLogger("mlx_nursery.server")
 
 ROUTER_POLICY = "cache_aware"
+# The router's policies --router-policy offers; the last two are baselines that
+# ignore prompts and sessions alike (sticky sessions are off under them).
+POLICIES = ("cache_aware", "power_of_two", "least_load", "round_robin", "random")
+BASELINES = ("round_robin", "random")
+# The spill gate: a worker the prefix (or session) chose is passed over for the
+# least loaded one when it has SPILL_ABS more requests in flight than the mean and
+# SPILL_REL times it (smg's defaults, 64 and 1.5, are sized for GPU fleets: eight
+# agents would all queue on the replica that holds their shared system prompt).
+SPILL_ABS, SPILL_REL = 2, 1.25
 # Headers a conversation is named by: ours, Claude Code's, Codex's (in that order).
 SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session-id")
 HEALTH_EVERY = 0.5  # seconds between looks at each replica's /health
@@ -58,7 +67,7 @@ OWN_FLAGS = {
     "--replicas": True, "--replica-url": True, "--port": True, "--host": True,
     "--api-key": True, "--no-api-key": False, "--allowed-origins": True,
     "--allowed-hosts": True, "--protect-stats": False, "--prompt-cache-dir": True,
-    "--memory-budget": True, "--replica": False,
+    "--memory-budget": True, "--replica": False, "--router-policy": True,
 }  # fmt: skip
 
 
@@ -118,6 +127,7 @@ class ReplicaSet:
     key: str  # the replicas' and the router's own
     router_port: int
     metrics_port: int
+    policy: str = ROUTER_POLICY
     router: trio.Process | None = None
     client: httpx.AsyncClient = attrs.field(init=False)
     stopping: bool = False
@@ -131,13 +141,16 @@ class ReplicaSet:
         )  # fmt: skip
 
     @classmethod
-    def of(cls, argv: Sequence[str], count: int, urls: Sequence[str], *,
-           cache_dir: str | None, memory_budget: Any) -> ReplicaSet:  # fmt: skip
+    def of(cls, argv: Sequence[str], count: int, urls: Sequence[str], *, cache_dir: str | None,
+           memory_budget: Any, policy: str = ROUTER_POLICY,
+           key: str | None = None) -> ReplicaSet:  # fmt: skip
         """``count`` local replicas of ``serve`` with the front's flags (``argv``,
         less the set's own), each with its own port, disk tier and a share of the
-        memory budget, and the replicas at ``urls`` (running elsewhere)."""
+        memory budget, and the replicas at ``urls`` (running elsewhere, started
+        with ``--replica`` and ``key``: the front's own API key, where it has one;
+        else the set makes one its local replicas alone know)."""
         flags = serve_flags(argv)
-        key = secrets.token_urlsafe(24)
+        key = key or secrets.token_urlsafe(24)
         share = replica_budget(memory_budget, count)
         replicas = []
         for i in range(count):
@@ -161,7 +174,7 @@ class ReplicaSet:
             replicas.append(Replica(i, f"http://127.0.0.1:{port}", own, env))
         for url in urls:
             replicas.append(Replica(len(replicas), url.rstrip("/")))
-        return cls(replicas, key, free_port(), free_port())
+        return cls(replicas, key, free_port(), free_port(), policy)
 
     @property
     def router_url(self) -> str:
@@ -260,8 +273,8 @@ class ReplicaSet:
         command = [
             *router_command(), "launch", "--host", "127.0.0.1", "--port", str(self.router_port),
             "--worker-urls", *(r.url for r in self.replicas),
-            "--policy", ROUTER_POLICY,
-            "--routing-key-override", "--routing-key-headers", *SESSION_HEADERS,
+            "--policy", self.policy,
+            "--balance-abs-threshold", str(SPILL_ABS), "--balance-rel-threshold", str(SPILL_REL),
             "--api-key", self.key,  # what it sends the replicas
             "--control-plane-api-keys", f"front:mlx-nursery:admin:{self.key}",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
@@ -271,6 +284,8 @@ class ReplicaSet:
             "--cb-failure-threshold", "1", "--cb-timeout-duration-secs", "2",
             "--shutdown-grace-period-secs", "5", "--log-level", "error",
         ]  # fmt: skip
+        if self.policy not in BASELINES:  # a conversation stays where its cache is
+            command += ["--routing-key-override", "--routing-key-headers", *SESSION_HEADERS]
         self.router = await trio.lowlevel.open_process(command, start_new_session=True,
                                                        stdout=subprocess.DEVNULL)  # fmt: skip
         nursery.start_soon(self._router_exit)

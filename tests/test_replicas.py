@@ -211,3 +211,70 @@ def test_sigterm_stops_the_whole_set(replica_set):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_each_replica_gets_the_fronts_flags_less_the_sets_own():
+    from mlx_nursery.server.replicas import ReplicaSet, serve_flags
+
+    argv = ["serve", "--model", "m", "--replicas", "2", "--port=9", "--api-key", "k",
+            "--batch", "4", "--router-policy", "round_robin", "--prompt-cache-dir", "/kv"]
+    assert serve_flags(argv) == ["--model", "m", "--batch", "4"]
+    rs = ReplicaSet.of(argv, 2, ["http://elsewhere:8080/"], cache_dir="/kv",
+                       memory_budget=8 << 30, key="k")  # fmt: skip
+    local = [r for r in rs.replicas if r.local]
+    assert [r.argv[-4:] for r in local] == [
+        ["--prompt-cache-dir", "/kv/replica-0", "--memory-budget", str(4 << 30)],
+        ["--prompt-cache-dir", "/kv/replica-1", "--memory-budget", str(4 << 30)],
+    ]
+    assert all("--replica" in r.argv and r.env["MLX_NURSERY_API_KEY"] == "k" for r in local)
+    assert rs.replicas[2].url == "http://elsewhere:8080" and not rs.replicas[2].local
+
+
+def test_the_tunnel_carries_the_request_whole_and_routes_on_its_prompt():
+    from mlx_nursery.server.app import TUNNEL
+    from mlx_nursery.server.front import tunnel_body
+
+    body = {"model": "m", "instructions": "sys", "input": [{"role": "user", "content": "a"}],
+            "max_output_tokens": 7, "stream": True}  # fmt: skip
+    carried = tunnel_body("/v1/responses", body, {"session-id": "s"})
+    assert carried[TUNNEL] == {"path": "/v1/responses", "headers": {"session-id": "s"},
+                               "body": body}  # fmt: skip
+    assert carried["max_tokens"] == 7 and carried["stream"] is True
+    longer = tunnel_body("/v1/responses", {**body, "input": [*body["input"], {"role": "user",
+                         "content": "b"}]}, {})  # fmt: skip
+    text, more = carried["messages"][0]["content"], longer["messages"][0]["content"]
+    assert more.startswith(text.rstrip("]"))  # the next turn extends this one's text
+
+
+def test_metrics_merge_into_one_family_each_labelled_by_replica():
+    from mlx_nursery.server.front import merge_metrics
+
+    text = ("# HELP x_total X.\n# TYPE x_total counter\nx_total 1.0\n"
+            '# HELP y Y.\n# TYPE y gauge\ny{model="m"} 2.0\n')  # fmt: skip
+    merged = merge_metrics([(0, text), (1, text)]).splitlines()
+    assert merged == ["# HELP x_total X.", "# TYPE x_total counter", 'x_total{replica="0"} 1.0',
+                      'x_total{replica="1"} 1.0', "# HELP y Y.", "# TYPE y gauge",
+                      'y{replica="0",model="m"} 2.0', 'y{replica="1",model="m"} 2.0']
+
+
+def test_replicas_refuse_what_they_cannot_serve():
+    exe = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--model",
+           str(model_path("llama"))]  # fmt: skip
+    for extra, said in ((["--replicas", "2", "--ranks", "2"], "--ranks shards one"),
+                        (["--replicas", "2", "--model", "x=y"], "serves one model"),
+                        (["--replicas", "0"], "must be 1 or more"),
+                        (["--replica-url", "ftp://x"], "not an http")):  # fmt: skip
+        out = subprocess.run([*exe, *extra], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and said in out.stderr, (extra, out.stderr[-300:])
+
+
+def test_setting_flags_that_default_to_none_take_text():
+    """--prompt-cache-dir, --dtype and --chat-template were refused from the command
+    line (their None default typed them as NoneType)."""
+    from mlx_nursery.server.cli import build_parser, settings_from
+
+    args = build_parser().parse_args(["serve", "--prompt-cache-dir", "/kv", "--dtype",
+                                      "float32", "--chat-template", "{{ x }}"])  # fmt: skip
+    engine = settings_from(args).engine
+    assert (engine.prompt_cache_dir, engine.dtype, engine.chat_template) == (
+        "/kv", "float32", "{{ x }}")
