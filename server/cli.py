@@ -145,6 +145,15 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
     )
     add_settings(s, Settings, Settings(model=None))
     add_settings(s, EngineSettings, Settings(model=None).engine)
+    add_scale_flags(s)
+    s.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="logging level (default: INFO)")  # fmt: skip
+
+
+def add_scale_flags(s: argparse.ArgumentParser) -> None:
+    """Sharding (``--ranks``, ``--hostfile``) and replicas (``--replicas`` and
+    the rest): docs/scale-out.md."""
     s.add_argument(
         "--ranks",
         type=int,
@@ -186,9 +195,6 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
         "replica (cache_aware), or by load alone; round_robin and random are baselines "
         "that ignore prompts and sessions (default: %(default)s)",
     )
-    s.add_argument("--log-level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                   help="logging level (default: INFO)")  # fmt: skip
 
 
 def run_launch(parser: argparse.ArgumentParser, argv: list[str], client_args: list[str]) -> int:
@@ -370,9 +376,12 @@ def serve_rank(settings: Settings, group) -> int:
 
 
 def serve_replicas(parser: argparse.ArgumentParser, argv: list[str], settings: Settings,
-                   count: int, urls: list[str], ranks: int, policy: str) -> int:  # fmt: skip
+                   args: argparse.Namespace, ranks: int) -> int:  # fmt: skip
     """`serve --replicas N`: the front on this address, the router and the
     replicas behind it (``server/front.py``, ``server/replicas.py``)."""
+    count, urls = args.replicas, args.replica_url or []
+    if count < 0 or (count == 0 and not urls):
+        parser.error("--replicas: must be 1 or more (0 only beside --replica-url)")
     if ranks > 1:
         parser.error("--replicas: a replica set serves whole copies; --ranks shards one")
     if settings.models:
@@ -386,13 +395,45 @@ def serve_replicas(parser: argparse.ArgumentParser, argv: list[str], settings: S
         parser.error(f"--replicas: {exc}")
     group = replicas.ReplicaSet.of(
         argv, count, urls, cache_dir=settings.engine.prompt_cache_dir,
-        memory_budget=settings.memory_budget, policy=policy, key=settings.api_key,
+        memory_budget=settings.memory_budget, policy=args.router_policy, key=settings.api_key,
     )  # fmt: skip
     state = trio.run(lambda: front.serve_front(settings, group))
     if state.phase is ServerPhase.FAILED:
         print(f"mlx-nursery: {state.error}", file=sys.stderr)
         exit_now(1, "the replica set failed")
     exit_now(0, "shut down")
+
+
+def checked_settings(parser: argparse.ArgumentParser,
+                     args: argparse.Namespace) -> tuple[Settings, int]:  # fmt: skip
+    """``serve``'s settings and rank count, each checked before anything loads
+    (a bad one is a usage error naming its flag)."""
+    try:
+        settings = settings_from(args)
+    except InvalidRequest as exc:
+        flag = (exc.param or "").replace("_", "-")
+        parser.error(f"--{flag}: {exc}" if flag else str(exc))
+    try:
+        pool_of(settings)  # names and aliases
+    except ValueError as exc:
+        parser.error(f"--model: {exc}")
+    problem = exposure_problem(settings)
+    if problem is not None:
+        parser.error(f"--host: {problem}")
+    if stores.is_store_ref(settings.model):
+        try:
+            stores.locate(settings.model)
+        except stores.StoreError as exc:
+            parser.error(f"--model: {exc}")
+    try:
+        ranks = launch.hostfile_ranks(args.hostfile) if args.hostfile else args.ranks
+    except ValueError as exc:
+        parser.error(f"--hostfile: {exc}")
+    if ranks < 1:
+        parser.error("--ranks: must be 1 or more")
+    if ranks > 1 and settings.models:
+        parser.error("--ranks: a sharded server serves one model; give one --model")
+    return settings, ranks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -407,37 +448,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command == "serve":
-        try:
-            settings = settings_from(args)
-        except InvalidRequest as exc:
-            flag = (exc.param or "").replace("_", "-")
-            parser.error(f"--{flag}: {exc}" if flag else str(exc))
-        try:
-            pool_of(settings)  # names and aliases checked before anything loads
-        except ValueError as exc:
-            parser.error(f"--model: {exc}")
-        problem = exposure_problem(settings)
-        if problem is not None:
-            parser.error(f"--host: {problem}")
-        if stores.is_store_ref(settings.model):
-            try:
-                stores.locate(settings.model)
-            except stores.StoreError as exc:
-                parser.error(f"--model: {exc}")
-        try:
-            ranks = launch.hostfile_ranks(args.hostfile) if args.hostfile else args.ranks
-        except ValueError as exc:
-            parser.error(f"--hostfile: {exc}")
-        if ranks < 1:
-            parser.error("--ranks: must be 1 or more")
-        if ranks > 1 and settings.models:
-            parser.error("--ranks: a sharded server serves one model; give one --model")
-        urls = getattr(args, "replica_url", None) or []
-        if args.replicas < 0 or (args.replicas == 0 and not urls):
-            parser.error("--replicas: must be 1 or more (0 only beside --replica-url)")
-        if args.replicas > 1 or urls:
-            return serve_replicas(parser, argv, settings, args.replicas, urls, ranks,
-                                  args.router_policy)  # fmt: skip
+        settings, ranks = checked_settings(parser, args)
+        if args.replicas != 1 or args.replica_url:
+            return serve_replicas(parser, argv, settings, args, ranks)
         if ranks > 1 and not launch.in_launch():
             try:
                 dtype = float_dtype(settings.engine.dtype)
