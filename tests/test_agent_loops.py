@@ -105,6 +105,39 @@ async def test_claude_code_fans_out_sub_agents_edits_a_file_and_shares_its_promp
             assert after.cached_tokens >= SHARED * before.prompt_tokens, table(c)
 
 
+async def test_claude_code_through_replicas_keeps_its_sub_agents_with_it(tmp_path):
+    """The same fan-out against two replicas behind the router (``--replicas 2``):
+    Claude Code's main agent and its sub-agents share one session id, so every
+    request of the run lands on one replica, where each finds what its
+    conversation (and its siblings' shared prompt) already sent."""
+    work = workdir(tmp_path / "work")
+    model = build_model(tmp_path / "scripted", claude_script(work))
+    async with recorded_server("--model", model, "--trust-remote-code", "--replicas", "2",
+                               "--prompt-cache-dir", str(tmp_path / "kv")) as rec:  # fmt: skip
+        loop = await run_client(*claude(tmp_path / "home", rec.port, FAN_OUT), work)
+        async with httpx.AsyncClient() as client:
+            stats = (await client.get(f"http://127.0.0.1:{rec.port}/stats")).json()
+    exchanges = rec.exchanges()
+    assert_all_2xx(exchanges, loop)
+    assert (work / "notes.txt").read_text() == "status: reviewed\n"
+    sent = posts(exchanges, "/v1/messages")
+    (session,) = {e.headers["x-claude-code-session-id"] for e in sent}
+    holders = [r["index"] for r in stats["replicas"]
+               if any(x.get("session") == session for x in r["stats"]["recent_requests"])]
+    assert len(holders) == 1, holders  # the whole tree on one replica
+    assert sum(r["stats"].get("finished", 0) for r in stats["replicas"]) >= len(sent)
+    turns = messages_turns(exchanges)
+    by = {}
+    for t in turns:
+        by.setdefault(t.conversation, []).append(t)
+    firsts = sorted((c[0] for name, c in by.items() if name.startswith("sub-agent")),
+                    key=lambda t: t.cached_tokens)  # fmt: skip
+    assert all(t.share >= SHARED for t in firsts[1:]), table(firsts)
+    for c in by.values():
+        for before, after in itertools.pairwise(c):
+            assert after.cached_tokens >= SHARED * before.prompt_tokens, table(c)
+
+
 @pytest.mark.parametrize("family", [None, "harmony"])
 async def test_codex_reads_and_edits_a_file_in_its_shell(family, tmp_path):
     """Codex's loop; and as it runs against gpt-oss, in Harmony (the model's
