@@ -168,7 +168,8 @@ async def turn(client: httpx.AsyncClient, i: int, t: int, messages: list[dict]) 
 
 
 def served_by(rs: ReplicaSet) -> dict[int, int]:
-    """Replica index -> requests it finished (its /stats)."""
+    """Replica index -> requests it finished (its /stats, read again after the load)."""
+    time.sleep(1.5)  # the front reads each replica's figures every 0.5 s
     stats = httpx.get(rs.url + "/stats", timeout=10).json()
     return {r["index"]: r["stats"].get("finished", 0) for r in stats["replicas"]}
 
