@@ -34,75 +34,30 @@ from typing import Any
 import attrs
 import trio
 
-from .emitter import Ended
 from .gpu import Gpu
 from .mailbox import closing
-from .prompt_cache import Trim
+from .messages import (
+    Accepted,
+    Backlog,
+    Ended,
+    Enqueue,
+    Left,
+    NotPaused,
+    Pause,
+    Paused,
+    Refused,
+    Shutdown,
+    Submit,
+    Trim,
+)
 from .request import FinishReason, Lane, Priority
-from .row import Backlog, Cancel, End, Finish, NotPaused, Pause, Paused, Phase, Row
+from .row import Cancel, End, Finish, Phase, Row, rank_now
 from .stats import ByClass, Count, Gauge, Metric, Observe, Stats
 
 MAILBOX_SIZE = 4096
 DEFAULT_STEP_SECONDS = 0.05  # for Retry-After before any step has been measured
 # A starving session with no decoding row to pause for it yet looks again this often.
 PAUSE_RETRY_SECONDS = 0.05
-
-
-@attrs.frozen
-class Submit:
-    """Hands a row over: admission -> prefill or serial."""
-
-    row: Row
-
-
-@attrs.frozen
-class Enqueue:
-    """engine -> admission: queue ``row``; ``reply`` gets :class:`Accepted` or
-    :class:`Refused` at once (the queue is full)."""
-
-    row: Row
-    reply: trio.MemorySendChannel = attrs.field(repr=False)
-
-
-@attrs.frozen
-class Accepted:
-    pass
-
-
-@attrs.frozen
-class Refused:
-    queued: int  # rows waiting when it was refused
-    retry_after: float  # seconds, estimated from the queue ahead and the step rate
-
-
-@attrs.frozen
-class Left:
-    """A row left its lane (ended): its slot and KV projection are free."""
-
-    row_id: int
-
-
-async def release(
-    row: Row,
-    *,
-    to_emitter: trio.MemorySendChannel,
-    to_admission: trio.MemorySendChannel,
-    announced: bool,
-) -> None:
-    """How every row owner (prefill, decode, serial) lets a row go once it has
-    ended: its work dropped, its terminal event to the emitter unless its last
-    token carried it (``announced``), its slot back to admission."""
-    row.work = None
-    if row.phase is not Phase.ENDED:
-        row.move(Phase.ENDED)
-    if not announced:
-        await to_emitter.send(Ended(row))
-    await to_admission.send(Left(row.id))
-
-
-@attrs.frozen
-class Shutdown:
-    reason: str
 
 
 @attrs.frozen
@@ -119,17 +74,6 @@ def share_key(row: Row) -> str | tuple[str, int]:
 def weights_of(rows: Iterable[Row]) -> dict[Any, float]:
     """Each share key's weight: its latest row's (rows in arrival order)."""
     return {share_key(r): r.weight for r in sorted(rows, key=lambda r: r.id)}
-
-
-def rank_now(row: Row, now: float | None = None, aging: float | None = None) -> int:
-    """A queued row's rank as admission reads it: its own (``Row.priority``),
-    one better for every ``aging`` seconds it has waited since it was last
-    queued, up to interactive (0). So a sub-agent's row ranks with the main
-    agent's after ``aging`` seconds, a background row after twice that, and no
-    row waits forever behind better ones (None: no aging)."""
-    if now is None or aging is None or row.priority <= 0:
-        return row.priority
-    return max(0, row.priority - int((now - row.times.queued) // aging))
 
 
 def next_head(

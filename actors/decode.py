@@ -27,14 +27,22 @@ from typing import Any
 import attrs
 import trio
 
-from .admission import release
-from .emitter import TokenOut, Tokens
 from .gpu import Gpu, Pending
 from .mailbox import closing
-from .prefill import Join
-from .prompt_cache import Put, worth_keeping
+from .messages import (
+    Backlog,
+    Join,
+    NotPaused,
+    Pause,
+    Paused,
+    Put,
+    TokenOut,
+    Tokens,
+    release,
+    worth_keeping,
+)
 from .request import FinishReason
-from .row import Backlog, Cancel, End, Finish, NotPaused, Pause, Paused, Phase, Row
+from .row import Cancel, End, Finish, Phase, Row
 from .stats import Count, Gauge, Metric, Observe, Stats
 from .step.batch import Batch
 from .step.drafting import DRAFTERS

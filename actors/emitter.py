@@ -24,47 +24,13 @@ import attrs
 import trio
 
 from .families import HarmonySplitter, family_of, held_prefix
-from .request import Drafts, Event, FinishReason, TopLogprob, Usage
+from .messages import Ended, TokenOut, Tokens
+from .request import Drafts, Event, FinishReason, Usage
 from .row import Cancel, Finish, Row
 from .stats import ByClass, Count, Metric, Observe, Stats
 from .tools import GENERIC, ReasoningScanner, ToolScanner
 
 MAILBOX_SIZE = 4096
-
-
-@attrs.frozen
-class TokenOut:
-    """One token of one row, from its owner. ``token`` is None when the row ends
-    without a token to show (EOS or a stop token id); ``ends`` is set on the row's
-    last token, and then the row has been handed over with it."""
-
-    row: Row
-    token: int | None
-    logprob: float | None = None
-    top_logprobs: tuple[TopLogprob, ...] | None = None
-    ends: bool = False
-
-    @classmethod
-    def accepted(
-        cls, row: Row, token: int, logprob: float | None, top: tuple[TopLogprob, ...] | None
-    ) -> TokenOut:
-        """A sampled token recorded on its row (every row owner alike): EOS and the
-        stop ids end the row as ``stop`` and are never shown; max_tokens ends it too."""
-        reason = row.accept(token)
-        shown = None if reason is FinishReason.STOP else token
-        return cls(row, shown, logprob, top, ends=reason is not None)
-
-
-@attrs.frozen
-class Tokens:
-    items: tuple[TokenOut, ...]
-
-
-@attrs.frozen
-class Ended:
-    """The owner ended ``row`` (``row.end`` says why) with no token to show."""
-
-    row: Row
 
 
 class Halt(enum.Enum):

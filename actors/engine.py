@@ -27,7 +27,7 @@ import attrs
 import trio
 
 from . import admission, decode, disk_cache, emitter, prefill, prompt_cache, serial
-from .admission import Admission, Enqueue, Refused, Shutdown
+from .admission import Admission
 from .budget import auto_budget
 from .constrain import ll_tokenizer
 from .decode import Decode
@@ -36,6 +36,7 @@ from .errors import EngineClosed, InvalidRequest, Overloaded
 from .gpu import DeviceLock, Gpu
 from .intake import Intake
 from .mailbox import Mailbox
+from .messages import Enqueue, Refused, Shutdown
 from .models.load import ModelInfo, load_draft, load_model
 from .prefill import PrefillActor
 from .prompt_cache import PromptCacheActor

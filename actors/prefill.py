@@ -1,7 +1,7 @@
 """The prefill actor: joiners' prompts, a bounded number of tokens per GPU turn.
 
 Rows arrive from admission; a turn serves them by rank (a main agent's prompt
-before its sub-agents': ``admission.rank_now``), then in arrival order (below:
+before its sub-agents': ``row.rank_now``), then in arrival order (below:
 "oldest" is first in that order). A GPU turn spends at most
 ``prefill_step_size`` prompt tokens. Where the model's caches take padding
 exactly (plain KV; under ``--kv-bits``, fresh rows that quantize at their
@@ -25,14 +25,24 @@ import attrs
 import trio
 import trio.lowlevel
 
-from .admission import Left, Submit, rank_now, release
 from .disk_cache import shared_length
-from .emitter import TokenOut, Tokens
 from .gpu import Gpu
 from .mailbox import closing
-from .prompt_cache import EntryKind, Put, take
+from .messages import (
+    Backlog,
+    EntryKind,
+    Join,
+    Left,
+    Pause,
+    Put,
+    Submit,
+    TokenOut,
+    Tokens,
+    release,
+    take,
+)
 from .request import FinishReason
-from .row import Backlog, Cancel, End, Finish, Pause, Phase, Row
+from .row import Cancel, End, Finish, Phase, Row, rank_now
 from .stats import Count, Gauge, Metric, Stats
 from .step.batch import Batch
 from .step.joiner import Prefill, prefill_together
@@ -61,17 +71,6 @@ MIN_SHARED = 16
 # system preamble) costs less computed again inside one padded forward than the
 # turn a held-back joiner would wait.
 MIN_SHARED_TOGETHER = 256
-
-
-@attrs.frozen
-class Join:
-    """Hands primed rows to decode: ``batch`` holds their KV and pending first
-    tokens, one slot per row in this order (one row's solo caches, or a group
-    prefilled together). Rows that ended at their first token stay in the
-    tuple, ENDED: decode drops their slots when the rest join."""
-
-    rows: tuple[Row, ...]
-    batch: Batch
 
 
 @attrs.frozen
@@ -225,7 +224,7 @@ class PrefillActor:
     together: bool = False  # joiners may be prefilled as one padded batch (plain KV)
     kv: KvBits | None = None  # KV quantization (docs/quantized-kv.md)
     forks: bool = True  # rows with one prompt share its prefill (not across ranks)
-    aging: float | None = None  # see admission.rank_now: joiners go by rank, then arrival
+    aging: float | None = None  # see row.rank_now: joiners go by rank, then arrival
     _active: list[Row] = attrs.field(factory=list, init=False)  # PREFILLING, FIFO
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

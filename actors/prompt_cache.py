@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import logging
 import math
 import types
@@ -51,9 +50,9 @@ from .disk_cache import BadFile, DiskEntry, DiskTier, as_tokens, shared_length
 from .disk_writer import DiskWriter
 from .errors import RanksLost
 from .gpu import Gpu
+from .messages import PUT_MIN_PROMPT, EntryKind, Hit, Pin, Put, Take, Trim
 from .ranks import Mirrored, mirrored
-from .request import CacheReason, CacheReport, CacheTier, Priority
-from .row import Row
+from .request import CacheReason, CacheReport, CacheTier
 from .stats import Count, Gauge, Metric, Observe, Stats
 from .step.kv import clone
 
@@ -61,23 +60,6 @@ log = logging.getLogger("mlx_nursery.engine")
 
 MAILBOX_SIZE = 4096
 KEY = "model"  # one model per engine: the trie's model key is a constant
-
-# A finished row's KV is handed to the prompt cache when its prompt has at least
-# this many tokens (shorter ones are cheaper to recompute than to store; a merged
-# row's must also be copied out of the batch first).
-PUT_MIN_PROMPT = 16
-
-
-def worth_keeping(row: Row) -> bool:
-    """Whether an ended row's KV goes to the prompt cache (both lanes)."""
-    return row.end is not None and row.end.reason.finished and len(row.prompt) >= PUT_MIN_PROMPT
-
-
-@attrs.frozen
-class Hit:
-    caches: list[Any] | None  # None: nothing usable
-    cached: int  # prompt tokens already in ``caches``
-    report: CacheReport | None = None  # why that much (and no more)
 
 
 # A session's latest entry of each class is pinned (evicted only when nothing else is
@@ -259,42 +241,6 @@ class Store(LRUPromptCache):
     ) -> None:
         self.pinned = pinned
         self.trim_to(n_bytes=ceiling)
-
-
-class EntryKind(enum.StrEnum):
-    """mlx-lm's entry types, which set its eviction preference (a str enum: the
-    store takes the string)."""
-
-    SYSTEM = "system"  # a boundary snapshot: a prefix that later prompts share
-    USER = "user"
-    ASSISTANT = "assistant"  # a finished row: its prompt and its answer
-
-
-# Whose latest entry is pinned: a session and a class (``Row.pin``), so a session's
-# sub-agents keep their latest entry and never unpin its main agent's.
-Pin = tuple[str, Priority]
-
-
-@attrs.frozen
-class Take:
-    tokens: list[int] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
-    reply: trio.MemorySendChannel = attrs.field(repr=False)  # gets one Hit
-    session: Pin | None = None  # the asking row's (it is active)
-
-
-@attrs.frozen
-class Put:
-    tokens: list[int] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
-    caches: list[Any] = attrs.field(repr=False)
-    kind: EntryKind = EntryKind.ASSISTANT
-    session: Pin | None = None  # whose: each pin's latest entry is kept while it is active
-
-
-@attrs.frozen
-class Trim:
-    """Keep at most ``max_bytes`` (the budget minus the live batch)."""
-
-    max_bytes: int
 
 
 @attrs.define(eq=False)
@@ -520,17 +466,3 @@ def _loaded(path: Any, trim: int) -> list[Any]:
     return caches
 
 
-async def take(
-    to_cache: trio.MemorySendChannel | None, tokens: list[int], session: Pin | None = None
-) -> Hit:
-    """Ask the prompt cache (through its mailbox) for the longest usable cached
-    prefix of ``tokens``: a request-reply any actor can make from its own task."""
-    if to_cache is None:
-        return Hit(None, 0, CacheReport(CacheReason.DISABLED))
-    send, receive = trio.open_memory_channel(1)
-    await to_cache.send(Take(tokens, send, session))
-    with receive:
-        try:
-            return await receive.receive()
-        except trio.EndOfChannel:
-            return Hit(None, 0)

@@ -83,36 +83,6 @@ class Finish:
     detail: str | None = None
 
 
-@attrs.frozen
-class Pause:
-    """admission -> decode (through prefill): take a decoding row out of the
-    batch, its KV and pending token kept, to give its slot to another session.
-    Decode answers :class:`Paused`, or :class:`NotPaused` when the row is not
-    decoding (still joining, ending, gone)."""
-
-    row_id: int
-
-
-@attrs.frozen
-class Backlog:
-    """admission -> decode (through prefill): whether requests now wait for a
-    slot of the batch (queued or paused), sent when that changes. With nobody
-    waiting, a draft kept only shortens the batch's own work, and the gate
-    values drafts so (``step.drafting.Gate.choose``)."""
-
-    waiting: bool
-
-
-@attrs.frozen
-class Paused:
-    row: Row
-
-
-@attrs.frozen
-class NotPaused:
-    row_id: int
-
-
 @attrs.define(eq=False, repr=False)
 class RowTimes:
     """Clock readings (``trio.current_time()``), each written once by the row's owner."""
@@ -310,3 +280,14 @@ def tree(rows: list[Row], root: str) -> list[Row]:
         grew = not more <= ids
         ids |= more
     return [r for r in rows if r.session in ids]
+
+
+def rank_now(row: Row, now: float | None = None, aging: float | None = None) -> int:
+    """A queued row's rank as admission reads it: its own (``Row.priority``),
+    one better for every ``aging`` seconds it has waited since it was last
+    queued, up to interactive (0). So a sub-agent's row ranks with the main
+    agent's after ``aging`` seconds, a background row after twice that, and no
+    row waits forever behind better ones (None: no aging)."""
+    if now is None or aging is None or row.priority <= 0:
+        return row.priority
+    return max(0, row.priority - int((now - row.times.queued) // aging))

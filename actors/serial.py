@@ -15,11 +15,18 @@ from typing import Any
 import attrs
 import trio
 
-from .admission import Submit, release
-from .emitter import TokenOut, Tokens
 from .gpu import Gpu
 from .mailbox import closing
-from .prompt_cache import Hit, Put, take, worth_keeping
+from .messages import (
+    Hit,
+    Put,
+    Submit,
+    TokenOut,
+    Tokens,
+    release,
+    take,
+    worth_keeping,
+)
 from .ranks import Mirrored, mirrored
 from .request import FinishReason
 from .row import Cancel, End, Finish, Phase, Row

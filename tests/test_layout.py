@@ -84,6 +84,11 @@ def test_the_package_has_no_import_cycle():
     actors = {f"{PACKAGES['actors']}.{name}" for name in ACTORS}
     step = {n: deps & actors for n, deps in graph.items() if ".actors.step" in n}
     assert not any(step.values()), f"the GPU-thread state imports an actor: {step}"
+    # The actors are peers: they meet through actors/messages.py (and rows, stats
+    # and the GPU actor, which serve them all); only the engine wires them.
+    peers = actors - {f"{PACKAGES['actors']}.{name}" for name in ("engine", "stats", "gpu")}
+    reach = {n: graph[n] & peers for n in peers}
+    assert not any(reach.values()), f"an actor imports another: {reach}"
 
 
 def _code_lines(node: ast.AST, lines: list[str]) -> int:
