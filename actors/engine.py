@@ -35,6 +35,7 @@ from .emitter import Emitter
 from .errors import EngineClosed, InvalidRequest, Overloaded
 from .gpu import DeviceLock, Gpu
 from .intake import Intake
+from .kernels import fused, packed
 from .mailbox import Mailbox
 from .messages import Enqueue, Refused, Shutdown
 from .models.load import ModelInfo, load_draft, load_model
@@ -55,7 +56,7 @@ from .stats import (
     Stats,
     StatsSnapshot,
 )
-from .step import fused, packed, warmup
+from .step import warmup
 from .step.drafting import DraftModel
 from .step.verify import Speculation
 from .stream import RequestStream

@@ -272,13 +272,13 @@ class EngineSettings:
         True, validator=_boolean, parse=_on_off, shown="on",
         help="decode steps whose rows' lengths differ widely attend row by row over each "
         "row's own keys instead of over the batch padded to its longest row "
-        "(actors/step/ragged.py); off: mlx-lm's padded attention. A choice for the process",
+        "(actors/kernels/ragged.py); off: mlx-lm's padded attention. A choice for the process",
     )  # fmt: skip
     cpu_softmax: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",
         help="float32 attention over prefill chunks on a Linux x86-64 CPU computes mlx's "
         "softmax in a small C library built on first use, many lanes wide and to the same "
-        "bits (actors/step/cpu_softmax.py); verify steps take it too, their query heads folded "
+        "bits (actors/step/cpu_attention.py); verify steps take it too, their query heads folded "
         "into one matmul per key head, and attention over --kv-bits caches (decode, verify, "
         "prefill) its quantized attention; off, or without a C compiler: mlx's own. A "
         "choice for the process",
@@ -286,7 +286,7 @@ class EngineSettings:
     compile: str = setting(
         "auto", validator=_one_of(("auto", "on", "off")), parse=str.lower,
         help="decode steps run the model's RMSNorm and RoPE under mx.compile, their "
-        "operations fused, to the same bits (actors/step/fused.py); auto: on a CPU device, "
+        "operations fused, to the same bits (actors/kernels/fused.py); auto: on a CPU device, "
         "where it was measured to pay (1.04-1.19x a forward), off elsewhere, where those "
         "are single kernels already",
     )  # fmt: skip
@@ -295,7 +295,7 @@ class EngineSettings:
         help="decode steps multiply float32 weights from a copy packed once at load (the "
         "small products from the weight in place, on two threads), in a small C++ mlx "
         "extension built on first use, with OpenBLAS's own arithmetic: the same bits, "
-        "checked per weight shape and row count at load (actors/step/packed.py); a second "
+        "checked per weight shape and row count at load (actors/kernels/packed.py); a second "
         "copy of the packed weights in memory. Where the bits differ (another BLAS or CPU), "
         "or off: mlx's matmul",
     )  # fmt: skip

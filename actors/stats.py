@@ -346,7 +346,7 @@ class KvPrecision:
 
 @attrs.frozen
 class CompiledFigures:
-    """The decode steps' blocks under ``mx.compile`` (``--compile``; ``step.fused``)."""
+    """The decode steps' blocks under ``mx.compile`` (``--compile``; ``kernels.fused``)."""
 
     modules: int  # the model's norms and RoPE that run compiled in decode steps
     calls: int  # their calls that ran compiled (one position a row)
@@ -362,7 +362,7 @@ class CompiledFigures:
 
 @attrs.frozen
 class PackedFigures:
-    """The products read from packed weights (``--packed-weights``; ``step.packed``)."""
+    """The products read from packed weights (``--packed-weights``; ``kernels.packed``)."""
 
     modules: int  # the model's products routed to the extension at some row counts
     bytes: int  # the bytes of their packed copies

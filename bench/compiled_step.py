@@ -222,7 +222,7 @@ def engine_run(
     finally:
         # The engine swaps classes on the model it is given: mlx-lm's own runs on
         # the same model object must find mlx-lm's modules again.
-        from mlx_nursery.actors.step import fused, packed
+        from mlx_nursery.actors.kernels import fused, packed
 
         fused.uninstall(model)
         packed.uninstall(model)

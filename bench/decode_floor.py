@@ -82,9 +82,9 @@ KEYS = 450  # keys a row holds in the breakdown (a short agent turn)
 
 @contextlib.contextmanager
 def compiled_norms_and_rope(model):
-    """The engine's compiled blocks (``--compile``: ``actors/step/fused.py``) on
+    """The engine's compiled blocks (``--compile``: ``actors/kernels/fused.py``) on
     ``model`` for the time of the block."""
-    from mlx_nursery.actors.step import fused
+    from mlx_nursery.actors.kernels import fused
 
     fused.install(model)
     try:

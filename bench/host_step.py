@@ -59,7 +59,7 @@ def engine_run(model, tokenizer, prompts: list[list[int]], n: int, options: dict
     no prompt cache): aggregate tok/s, the first row's decode tok/s, its tokens,
     and the host figures of its steps."""
     from mlx_nursery.actors import open_engine
-    from mlx_nursery.actors.step import fused, packed
+    from mlx_nursery.actors.kernels import fused, packed
 
     async def go():
         async with open_engine((model, tokenizer), batch=8, speculative=False,

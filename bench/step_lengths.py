@@ -1,6 +1,6 @@
 """Where the flood's decode time goes: one decode step of a batch under
 mlx-lm's ``BatchKVCache`` as the rows' lengths vary, with mlx-lm's padded
-attention, with ``actors/step/ragged.py``'s row by row (as served), and with the
+attention, with ``actors/kernels/ragged.py``'s row by row (as served), and with the
 attention left out (what the weights cost), plus the attention alone.
 
 The flood (issue #25) puts B's ~2,400-token row beside A's ~600-token rows, and
@@ -57,7 +57,7 @@ def attention_ms(rows: int, heads: int, head_dim: int, length: int, layers: int)
 @contextlib.contextmanager
 def no_attention(model):
     """The model's attention replaced by its queries (the step's other work only)."""
-    from mlx_nursery.actors.step import ragged
+    from mlx_nursery.actors.kernels import ragged
 
     namespaces = ragged._namespaces(model)
     kept = [n.scaled_dot_product_attention for n in namespaces]
@@ -73,7 +73,7 @@ def no_attention(model):
 def main() -> None:
     from benchsuite import bench_llama
     from mlx_lm import load
-    from mlx_nursery.actors.step import ragged
+    from mlx_nursery.actors.kernels import ragged
 
     folder = sys.argv[1] if len(sys.argv) > 1 else bench_llama()
     model, _ = load(str(folder))

@@ -33,6 +33,9 @@ from typing import Any
 import attrs
 import httpx
 import trio
+from mlx_nursery.actors import EngineSettings
+
+from .settings import Settings
 
 log = logging.getLogger("mlx_nursery.server")
 
@@ -131,7 +134,7 @@ class ModelProcess:
                     await self.process.stdin.aclose()
 
 
-def child_settings(template: Any, name: str, ref: Any, engine: Any) -> Any:
+def child_settings(template: Settings, name: str, ref: Any, engine: EngineSettings) -> Settings:
     """The settings of the child serving ``ref`` as ``name``: one model, pinned,
     on a loopback port the OS picks, with a key of its own, no memory bound of
     its own (the parent's budget counts it), the parent's engine settings and
@@ -146,7 +149,7 @@ def child_settings(template: Any, name: str, ref: Any, engine: Any) -> Any:
     )  # fmt: skip
 
 
-async def start(settings: Any, busy: Callable[[], bool] = lambda: False) -> ModelProcess:
+async def start(settings: Settings, busy: Callable[[], bool] = lambda: False) -> ModelProcess:
     """Start a child server with ``settings`` (:func:`child_settings`) and wait
     until its model is loaded; :class:`ChildFailed` with its reason if it is not.
     While it loads, it runs a ``LOAD_SHARE`` of the time whenever ``busy()`` (the

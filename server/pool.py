@@ -47,13 +47,14 @@ import trio
 from mlx_nursery.actors import Engine, EngineSettings, open_engine
 from mlx_nursery.actors.budget import auto_budget
 from mlx_nursery.actors.gpu import DeviceLock
+from mlx_nursery.actors.kernels import packed
 from mlx_nursery.actors.models.load import float_dtype
 from mlx_nursery.actors.models.registry import resolve, short_id
-from mlx_nursery.actors.step import packed
 
 from . import model_process
 from .api.base import ApiError
 from .model_process import ModelProcess
+from .settings import Settings
 
 log = logging.getLogger("mlx_nursery.server")
 
@@ -183,7 +184,7 @@ class Pool:
     own_process: bool = False
     group: Any = None  # sharded (``--ranks``): the mx.distributed group of its one model
     # --model-processes: the server's settings a child's are made from (None: one process)
-    processes: Any = None
+    processes: Settings | None = None
     _nursery: trio.Nursery | None = None
     _loading: trio.Lock = attrs.field(factory=trio.Lock)
     _change: trio.Event = attrs.field(factory=trio.Event)
@@ -192,7 +193,7 @@ class Pool:
     def of(
         cls, specs: list[ModelSpec], engine: EngineSettings, *, aliases: Mapping[str, str],
         budget: int | str | None, wait: float, own_process: bool = False, group: Any = None,
-        device: threading.Lock | DeviceLock | None = None, processes: Any = None,
+        device: threading.Lock | DeviceLock | None = None, processes: Settings | None = None,
     ) -> Pool:  # fmt: skip
         """The pool over ``specs`` (the first is the default model). With several
         models, an ``auto`` KV budget is a share of the memory budget, and the
@@ -634,7 +635,7 @@ def weights_bytes(tensors: Mapping[str, dict], quantization: Mapping[str, Any],
 
 def packed_bytes(tensors: Mapping[str, dict], quantization: Mapping[str, Any],
                  dtype: str | None) -> int:  # fmt: skip
-    """The packed copies ``--packed-weights`` will add at load (``step.packed``):
+    """The packed copies ``--packed-weights`` will add at load (``kernels.packed``):
     the model's 2-D float32 weights (quantized ones dequantized to float32)."""
     shapes = {}
     for name, t in tensors.items():

@@ -1,5 +1,5 @@
 """``--compile``: the decode steps' RMSNorm and RoPE under ``mx.compile``
-(``actors/step/fused.py``). The parity suites run with it on (the default on a
+(``actors/kernels/fused.py``). The parity suites run with it on (the default on a
 CPU); here: the switch, the same tokens either way on both lanes, the figures."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from conftest import checked_engine, golden, loaded
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_nursery.actors.step import fused
+from mlx_nursery.actors.kernels import fused
 
 FAMILIES = ("llama", "qwen3", "gemma3_text", "falcon_h1", "mamba2")
 

@@ -84,6 +84,10 @@ def test_the_package_has_no_import_cycle():
     actors = {f"{PACKAGES['actors']}.{name}" for name in ACTORS}
     step = {n: deps & actors for n, deps in graph.items() if ".actors.step" in n}
     assert not any(step.values()), f"the GPU-thread state imports an actor: {step}"
+    # The kernels are a room below both: they import no actor and no step state.
+    below = {n: {d for d in deps if d in actors or ".actors.step" in d}
+             for n, deps in graph.items() if ".actors.kernels" in n}  # fmt: skip
+    assert not any(below.values()), f"a kernel imports an actor or the step: {below}"
     # The actors are peers: they meet through actors/messages.py (and rows, stats
     # and the GPU actor, which serve them all); only the engine wires them.
     peers = actors - {f"{PACKAGES['actors']}.{name}" for name in ("engine", "stats", "gpu")}

@@ -1,4 +1,4 @@
-"""Decode-step products from packed weights (``--packed-weights``, actors/step/packed.py):
+"""Decode-step products from packed weights (``--packed-weights``, actors/kernels/packed.py):
 mlx's own bits where they are routed, mlx's matmul wherever the bits would differ."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_nursery.actors.step import packed
+from mlx_nursery.actors.kernels import packed
 from mlx_nursery.server.serve import find_openblas
 
 # A two-layer llama whose products are the size of SmolLM2's (hidden 576, MLP 1,536,
@@ -54,7 +54,7 @@ def test_packed_products_are_mlxs_bits_under_openblas():
     shapes, and a decode step's logits at 1, 2, 4 and 8 rows, and a verify
     step's at 24 and 32 positions, are the same bits with them and without."""
     script = MODEL + textwrap.dedent("""
-        from mlx_nursery.actors.step import packed
+        from mlx_nursery.actors.kernels import packed
         if packed.module() is None:
             raise SystemExit("unavailable")
         # decode steps of 1-8 rows; verify steps of 8 x 3 and 4 x 8 positions
@@ -111,7 +111,7 @@ def test_small_matrix_sums_match_openblas_on_odd_shapes():
     sums are still mlx's bits, at every row count that kernel takes."""
     script = textwrap.dedent("""
         import mlx.core as mx
-        from mlx_nursery.actors.step import packed
+        from mlx_nursery.actors.kernels import packed
         ext = packed.module()
         if ext is None:
             raise SystemExit("unavailable")

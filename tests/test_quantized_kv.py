@@ -290,7 +290,7 @@ def test_a_prefill_in_uneven_chunks_quantizes_where_generate_does():
                                                                    (8, 6, 6, 129)])  # fmt: skip
 def test_folded_decode_attention_is_mlx_lms_to_the_bit(bits, rows, heads, kv_heads, length):
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
-    from mlx_nursery.actors.step.quantized import attention
+    from mlx_nursery.actors.kernels.quantized_attention import attention
 
     mx.random.seed(rows * 31 + length)
     q = mx.random.normal((rows, heads, 1, 64))
@@ -310,10 +310,10 @@ async def test_a_device_without_quantized_attention_refuses_kv_bits_at_load(monk
     refused at load, naming the flag, rather than failing each request. The CPU's
     ``quantized_matmul`` is made to refuse more than one query as CUDA's does (and
     the C library, which covers such chunks on a CPU only, is kept out)."""
-    from mlx_nursery.actors.step import quantized
+    from mlx_nursery.actors.kernels import quantized_attention
 
     real = mx.quantized_matmul
-    monkeypatch.setattr(quantized, "library_agrees", lambda: False)
+    monkeypatch.setattr(quantized_attention, "library_agrees", lambda: False)
 
     def cuda_like(x, *args, **kwargs):
         if x.shape[-2] > 1:

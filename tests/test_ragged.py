@@ -1,4 +1,4 @@
-"""Ragged attention (``actors/step/ragged.py``): in a decode step whose rows' lengths
+"""Ragged attention (``actors/kernels/ragged.py``): in a decode step whose rows' lengths
 differ widely, each row attends over its own keys. The result equals mlx-lm's
 padded, masked attention to float rounding, and rows decoded that way give a
 lone row's tokens (mlx-lm's ``stream_generate``)."""
@@ -12,7 +12,7 @@ import trio
 from conftest import checked_engine, loaded
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
-from mlx_nursery.actors.step import ragged
+from mlx_nursery.actors.kernels import ragged
 
 
 def test_row_by_row_attention_equals_the_padded_masked_one():

@@ -113,7 +113,7 @@ async def test_a_lone_row_equals_stream_generate():
     """A lone row in the batch lane; where the packed-weights extension runs
     (OpenBLAS on an AVX-512 CPU), its one-row steps read the packed panels and
     the small-matrix kernel's sums, and the tokens are still mlx-lm's."""
-    from mlx_nursery.actors.step import packed
+    from mlx_nursery.actors.kernels import packed
 
     settings = {"prompt_cache_size": 0, "prefill_step_size": STEP}
     async with checked_engine(smollm2(), batch=8, **settings) as e:

@@ -224,15 +224,15 @@ async def test_verify_steps_attend_folded_and_stay_exact(forced_drafts, monkeypa
     """A verify step's forward, and only it, takes the CPU attention's verify path
     (the query heads of each key head folded into one matmul), and its rows keep
     mlx-lm's tokens: under the reference BLAS the folded matmul has the same bits."""
-    from mlx_nursery.actors.step import cpu_softmax
+    from mlx_nursery.actors.kernels import cpu_attention
 
-    seen, attention = [], cpu_softmax.attention
+    seen, attention = [], cpu_attention.attention
 
     def recorded(queries, *args, verify=False, **kwargs):
         seen.append((queries.shape[2], verify))
         return attention(queries, *args, verify=verify, **kwargs)
 
-    monkeypatch.setattr(cpu_softmax, "attention", recorded)
+    monkeypatch.setattr(cpu_attention, "attention", recorded)
     g = golden("llama")
     async with checked_engine("llama", batch=8) as engine:
         for case in g["serial"] * 2:

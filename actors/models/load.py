@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from .. import kernels
 from ..budget import LayerCost, probe
 from ..errors import InvalidRequest
 from ..families import family_of
 from ..ranks import SharedInputs, sharded_load
-from ..step import fused, packed, ragged
 from ..step.drafting import DraftModel
 from ..step.quantized import runs_here
 from .registry import resolve, short_id
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -55,9 +58,9 @@ def load_model(
     weight bytes) are then one rank's share. ``kv`` (a ``KvBits``): the KV costs
     count quantized bytes, and a model whose heads its groups do not divide is
     refused. ``compile`` (``--compile``: auto, on, off): the decode steps' norms and
-    RoPE under ``mx.compile`` (``step.fused``). ``packed_weights``
+    RoPE under ``mx.compile`` (``kernels.fused``). ``packed_weights``
     (``--packed-weights``): decode-step products from packed weights
-    (``step.packed``), their bytes counted in the weights'."""
+    (``kernels.packed``), their bytes counted in the weights'."""
     from mlx.utils import tree_flatten
     from mlx_lm import load
     from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -77,13 +80,11 @@ def load_model(
     else:
         model, tokenizer = model
     cast(model, dtype)
-    ragged.install(model, rows=ragged_attention, exact_softmax=cpu_softmax)
-    if compiled(compile):
-        fused.install(model)
-    else:
-        fused.uninstall(model)  # a model object given again, with compile off
-    packed.uninstall(model)  # a model object given again: packed anew, or not
-    packing = packed.install(model) if packed_weights else None
+    installed = kernels.install(model, ragged_attention=ragged_attention,
+                                cpu_softmax=cpu_softmax, compile=compiled(compile),
+                                packed_weights=packed_weights)  # fmt: skip
+    log.debug("kernels on %s: %s", name, installed)
+    packing = installed.packed
     if sharded:
         model = SharedInputs(model, group)
     caches = make_prompt_cache(model)

@@ -7,17 +7,14 @@
 - ``slots``: a row's sampling state in a batch, and what a step reads from it;
 - ``kv``: KV cache helpers the batch, the joiner and the prompt cache share;
 - ``quantized``: quantized KV in the batch (``--kv-bits``);
-- ``ragged``, ``cpu_softmax``: the CPU kernels a verify step's attention and
-  logsumexp use;
-- ``fused`` (``--compile``: RMSNorm and RoPE compiled) and ``packed``
-  (``--packed-weights``: products from packed float32 weights), put on a model
-  at load;
 - ``syncs``: a decode step's waits on the device, counted and timed by phase;
 - ``warmup``: what a first request runs, run once at load;
 - ``calls``: the count of GPU calls begun (the GPU actor counts, the verifier
   reads it to time steps).
 
-The actors own these objects and hand them to the GPU thread; nothing here
-imports an actor. Importers name the module (``step.batch.Batch``): this package
-re-exports nothing, so taking ``kv`` does not load the batch.
+The kernels the model runs with (attention, the C library, the compiled
+blocks, packed products) are ``actors/kernels/``. The actors own these objects
+and hand them to the GPU thread; nothing here imports an actor. Importers name
+the module (``step.batch.Batch``): this package re-exports nothing, so taking
+``kv`` does not load the batch.
 """

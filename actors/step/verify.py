@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import attrs
 import mlx.core as mx
 
-from . import cpu_softmax, ragged
+from ..kernels import cpu_attention, ragged
 from .batch import Batch
 from .calls import calls_begun
 from .drafting import Drafter, DraftModel, Gate, Matches, ModelDrafter, SharedIndex
@@ -318,7 +318,7 @@ class Verifier:
             first, _ = batch.processed(logits[:, 0], inputs[:, 0])
             logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
         if self.spec.library:  # mlx's bits, many lanes wide (the step waits anyway)
-            logprobs = logits - cpu_softmax.logsumexp(logits)
+            logprobs = logits - cpu_attention.logsumexp(logits)
         else:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return logprobs, batch.sample(logprobs)  # samplers take any leading shape

@@ -25,7 +25,7 @@ from ..request import SamplingParams
 from .joiner import Prefill
 from .quantized import KvBits
 
-PROMPT_TOKENS = 40  # past cpu_softmax.MIN_QUERIES in one chunk
+PROMPT_TOKENS = 40  # past cpu_attention.MIN_QUERIES in one chunk
 STEPS = 3  # plain steps alone (the first of which reads the primed token)
 MAX_ROWS = 8  # the batch's row counts warmed, at most
 TEXT = "The quick brown fox jumps over the lazy dog while the sun rises over the hills. "

@@ -8,7 +8,7 @@
  * in K order with fused multiply-adds, a K block at a time, and each block's
  * sum is added to the output (the first to zero, or to the bias). At a decode
  * step's few rows that copy costs about what the multiply does. Here the
- * panels are made once (actors/step/packed.py) and the same sums run from
+ * panels are made once (actors/kernels/packed.py) and the same sums run from
  * them, so each output is the same float; packed.py checks that per shape and
  * row count against mlx's matmul before a product is routed here.
  *
@@ -20,7 +20,7 @@
  * thread; here its outputs are shared with a helper thread, each output's sums
  * unchanged (`small` below).
  *
- * Built on first use by actors/step/packed.py with nanobind (the version whose
+ * Built on first use by actors/kernels/packed.py with nanobind (the version whose
  * internals mlx's own module uses, so an mx.array passes as itself).
  */
 #include <immintrin.h>

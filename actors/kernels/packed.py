@@ -45,7 +45,7 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cpu_softmax import _cpu_key, built
+from .build import built, cpu_key
 
 log = logging.getLogger("mlx_nursery.packed")
 
@@ -113,7 +113,7 @@ def module() -> Any:
         _tried = True
         if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
             return None
-        if "avx512f" not in _cpu_key().split() or not _openblas():
+        if "avx512f" not in cpu_key().split() or not _openblas():
             return None  # the kernel is written for AVX-512, and its sums are OpenBLAS's
         try:
             path = _build()

@@ -4,9 +4,9 @@
 On Linux x86-64, mlx's CPU kernels run one lane at a time, and its ``exp`` is a
 polynomial whose fused multiply-adds are libm calls: about 20 ns an element.
 In a CPU attention that is most of the time over a long chunk (a 900-token
-prefill chunk of the 31M model: 180 of 227 ms a layer). ``cpu_softmax.c`` does
+prefill chunk of the 31M model: 180 of 227 ms a layer). ``cpu_attention.c`` does
 the same arithmetic operation for operation (its ``exp`` was checked equal to
-mlx's on all 2^32 float32 inputs; ``tests/test_cpu_softmax.py`` checks every
+mlx's on all 2^32 float32 inputs; ``tests/test_cpu_attention.py`` checks every
 exponent and the branch edges), keeps the softmax's left-to-right sum, and is
 vectorized by the compiler, so the numbers are mlx's bit for bit and
 parity with mlx-lm is untouched.
@@ -41,21 +41,21 @@ False and attention is mlx's own.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
+from .build import built
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_softmax.c")
+SOURCE = Path(__file__).with_name("cpu_attention.c")
 # -ffp-contract=off: no multiply and add fused that mlx keeps apart. The other two
 # only drop errno and trap semantics (they let floorf vectorize; no value changes).
 FLAGS = (
@@ -76,49 +76,13 @@ _library: ctypes.CDLL | None = None
 _tried = False
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("MLX_NURSERY_NATIVE_DIR", Path.home() / ".cache/mlx-nursery/native"))
-
-
-def _cpu_key() -> str:
-    """The CPU's model and flags (a library built with -march=native is for it only)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def built(name: str, parts: list[bytes], command: Any, instead: str,
-          timeout: int = 120) -> Path | None:  # fmt: skip
-    """The library ``name`` (``stem.suffix``) built once into :func:`cache_dir` by
-    ``command(output_path)``, keyed by ``parts`` and this CPU; None where the
-    build fails (logged, saying ``instead``: what runs in its place)."""
-    key = hashlib.sha256(b"\0".join([*parts, _cpu_key().encode()])).hexdigest()[:16]
-    stem, _, suffix = name.partition(".")
-    target = cache_dir() / f"{stem}-{key}.{suffix}"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        result = subprocess.run(command(out), capture_output=True, text=True, timeout=timeout)
-        if result.returncode != 0:
-            log.warning("building %s failed (%s): %s", name, result.stderr.strip()[-300:],
-                        instead)  # fmt: skip
-            return None
-        os.replace(out, target)  # atomic: a concurrent builder finds a whole file
-    return target
-
-
 def _build() -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("no C compiler: CPU attention keeps mlx's own softmax")
         return None
     return built(
-        "cpu_softmax.so", [SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode()],
+        "cpu_attention.so", [SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode()],
         lambda out: [compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm", "-lpthread"],
         "CPU attention keeps mlx's own softmax",
     )  # fmt: skip

@@ -9,7 +9,7 @@
  * result is the float mlx computes; the compiler is free to run the
  * elementwise passes many lanes wide because they are exact either way. Built
  * with -ffp-contract=off so no multiply and add are fused that mlx keeps apart.
- * actors/step/cpu_softmax.py builds and loads it and checks it against mlx first.
+ * actors/kernels/cpu_attention.py builds and loads it and checks it against mlx first.
  *
  * The end of the file: mlx-lm's quantized attention (decode, verify and prefill
  * steps) the same way (mlx's arithmetic, summed many outputs at a time).

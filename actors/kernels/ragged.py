@@ -14,10 +14,10 @@ row's attention runs on its own keys (from its left padding on), without a
 mask. That is the computation a lone row does, so the result is a lone row's
 (to float rounding; the masked padded form differs from it alike). Prefill
 chunks, rotating caches, and batches with little padding take the original
-path; quantized caches mlx-lm's quantized attention (``quantized.attention``: the
+path; quantized caches mlx-lm's quantized attention (``quantized_attention.attention``: the
 C library's on the CPU, else its decode steps with the query heads folded).
 
-The same wrapper swaps in :func:`cpu_softmax.attention` (mlx's own CPU attention,
+The same wrapper swaps in :func:`cpu_attention.attention` (mlx's own CPU attention,
 its softmax vectorized to the same bits) for float32 attention on the CPU, in
 the row-by-row path and the original one alike: ``install(model, rows=...,
 exact_softmax=...)`` chooses either or both. A forward built inside
@@ -32,7 +32,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import cpu_softmax, quantized
+from . import cpu_attention, quantized_attention
 
 WASTE = 0.25  # the share of padded keys above which rows attend one by one
 # The model modules whose decode mask is the padding and nothing else (a sliding
@@ -49,7 +49,7 @@ _step = threading.local()  # what the forward this thread builds is (verify_step
 @contextlib.contextmanager
 def verify_step() -> Iterator[None]:
     """The forward built inside is a verify step: its attention takes
-    ``cpu_softmax.attention(..., verify=True)`` where the library is used."""
+    ``cpu_attention.attention(..., verify=True)`` where the library is used."""
     before = getattr(_step, "verify", False)
     _step.verify = True
     try:
@@ -103,12 +103,12 @@ def ragged(original: Any, rows: bool = True, exact_softmax: bool = True) -> Any:
     def sdpa(queries, keys, values, scale, mask=None):
         if exact_softmax:
             verify = getattr(_step, "verify", False)
-            return cpu_softmax.attention(queries, keys, values, scale, mask, verify=verify)
+            return cpu_attention.attention(queries, keys, values, scale, mask, verify=verify)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None, **extra):
         if sinks is None and not extra and hasattr(cache, "bits"):  # quantized KV
-            out = quantized.attention(
+            out = quantized_attention.attention(
                 queries, keys, values, scale, mask, cache.group_size, cache.bits,
                 library=exact_softmax,
             )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The vectorized CPU softmax (``actors/step/cpu_softmax.py``): mlx's bits, always.
+"""The vectorized CPU softmax (``actors/step/cpu_attention.py``): mlx's bits, always.
 
 The library must give exactly the floats mlx computes (its ``exp``, its
 softmax's left-to-right sum, its attention's composition around it), so that
@@ -13,10 +13,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_nursery.actors.step import cpu_softmax, ragged
+from mlx_nursery.actors.kernels import cpu_attention, ragged
 
 pytestmark = pytest.mark.skipif(
-    not cpu_softmax.available(), reason="no C compiler, or not Linux x86-64: mlx's own softmax"
+    not cpu_attention.available(), reason="no C compiler, or not Linux x86-64: mlx's own softmax"
 )
 
 
@@ -29,9 +29,9 @@ def every_call(monkeypatch) -> list:
     """Every softmax and attention call through the library, whatever its size
     (by default decode steps and small calls keep mlx's path, and a check of
     them would compare mlx with itself); the list records each library call."""
-    monkeypatch.setattr(cpu_softmax, "MIN_SCORES", 0)
-    monkeypatch.setattr(cpu_softmax, "MIN_QUERIES", 0)
-    used, library = [], cpu_softmax.library()
+    monkeypatch.setattr(cpu_attention, "MIN_SCORES", 0)
+    monkeypatch.setattr(cpu_attention, "MIN_QUERIES", 0)
+    used, library = [], cpu_attention.library()
 
     class Counting:
         exp_rows = library.exp_rows
@@ -44,7 +44,7 @@ def every_call(monkeypatch) -> list:
             used.append(args[2:4])
             return library.softmax_causal_rows(*args)
 
-    monkeypatch.setattr(cpu_softmax, "library", lambda: Counting())
+    monkeypatch.setattr(cpu_attention, "library", lambda: Counting())
     return used
 
 
@@ -62,7 +62,7 @@ def test_exp_is_mlx_exp_on_every_exponent_and_the_edges():
     edges = np.array([88.0, -88.0, np.inf, -np.inf, np.nan, 0.0, -0.0], np.float32)
     x = np.concatenate([x, near.astype(np.float32), edges])
     out = np.empty_like(x)
-    cpu_softmax.library().exp_rows(x.ctypes.data, out.ctypes.data, x.size)
+    cpu_attention.library().exp_rows(x.ctypes.data, out.ctypes.data, x.size)
     want = np.asarray(mx.exp(mx.array(x)))
     assert np.all((bits(out) == bits(want)) | (np.isnan(out) & np.isnan(want)))
 
@@ -74,7 +74,7 @@ def test_softmax_is_mlx_softmax(shape, every_call):
     scores[..., : shape[-1] // 4] = np.finfo(np.float32).min  # masked the way mlx masks
     scores.reshape(-1, shape[-1])[0, -1] = -np.inf
     s = mx.array(scores)
-    got = cpu_softmax.softmax(s)
+    got = cpu_attention.softmax(s)
     assert np.array_equal(bits(got), bits(mx.softmax(s, axis=-1, precise=True)))
     assert every_call, "the library was not reached"
 
@@ -105,12 +105,12 @@ def test_the_causal_softmax_is_mlxs_mask_then_softmax(case, in_place):
     flat[3, 1] = np.inf
     s = mx.array(scores)
     mx.eval(s)
-    want = mx.softmax(cpu_softmax._masked(s, length, keys - length), axis=-1, precise=True)
+    want = mx.softmax(cpu_attention._masked(s, length, keys - length), axis=-1, precise=True)
     mx.eval(want)  # before the scores are written over
-    got = cpu_softmax.softmax(s, causal=(length, keys - length), in_place=in_place)
+    got = cpu_attention.softmax(s, causal=(length, keys - length), in_place=in_place)
     same = (bits(got) == bits(want)) | (np.isnan(np.asarray(got)) & np.isnan(np.asarray(want)))
     assert np.all(same)
-    assert (got is s) == (in_place and scores.size >= cpu_softmax.MIN_SCORES)
+    assert (got is s) == (in_place and scores.size >= cpu_attention.MIN_SCORES)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 601), (8, 9, 49152), (2, 3, 151936)])
@@ -125,7 +125,7 @@ def test_logsumexp_is_mlx_logsumexp(shape):
         flat[1, -1] = np.inf
         flat[2, 0] = np.nan
     x = mx.array(logits)
-    got, want = cpu_softmax.logsumexp(x), mx.logsumexp(x, axis=-1, keepdims=True)
+    got, want = cpu_attention.logsumexp(x), mx.logsumexp(x, axis=-1, keepdims=True)
     assert got.shape == want.shape
     got, want = np.asarray(got), np.asarray(want)
     assert np.all((bits(got) == bits(want)) | (np.isnan(got) & np.isnan(want)))
@@ -169,7 +169,7 @@ def test_attention_is_mlx_attention(case, every_call):
         "bool per head": mx.array(rng.random((b, heads, length, keys)) > 0.3),
     }[kind]
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
-    got = cpu_softmax.attention(q, k, v, 0.125, mask)
+    got = cpu_attention.attention(q, k, v, 0.125, mask)
     assert got.shape == want.shape
     assert np.array_equal(bits(got), bits(want))
     assert every_call, "the library was not reached"
@@ -199,32 +199,32 @@ def test_a_verify_step_folds_the_query_heads_and_keeps_mlxs_numbers(case, monkey
     mask = "causal" if kind == "causal" else (causal & (mx.arange(keys) >= pads[:, None, None]))[
         :, None
     ]
-    reached, softmax = [], cpu_softmax.softmax
+    reached, softmax = [], cpu_attention.softmax
     monkeypatch.setattr(
-        cpu_softmax, "softmax", lambda s, **kw: reached.append(s.shape) or softmax(s, **kw)
+        cpu_attention, "softmax", lambda s, **kw: reached.append(s.shape) or softmax(s, **kw)
     )
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
-    got = cpu_softmax.attention(q, k, v, 0.125, mask, verify=True)
+    got = cpu_attention.attention(q, k, v, 0.125, mask, verify=True)
     assert got.shape == want.shape
     if "libopenblas" in Path("/proc/self/maps").read_text():
         assert np.allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     else:
         assert np.array_equal(bits(got), bits(want))
     assert len(reached) == 1, "the library was not reached"
-    cpu_softmax.attention(q[:, :, :1], k, v, 0.125)  # a decode step's: mlx's own
+    cpu_attention.attention(q[:, :, :1], k, v, 0.125)  # a decode step's: mlx's own
     assert len(reached) == 1
 
 
 def test_other_dtypes_and_small_calls_take_mlx_path(monkeypatch):
     """float16 attention, decode steps and calls below ``MIN_SCORES`` never reach
     the library."""
-    monkeypatch.setattr(cpu_softmax, "softmax", lambda s, **kw: pytest.fail("used the library"))
+    monkeypatch.setattr(cpu_attention, "softmax", lambda s, **kw: pytest.fail("used the library"))
     q = mx.zeros((1, 2, 1, 16), mx.float16)
-    cpu_softmax.attention(q, q, q, 0.25)
+    cpu_attention.attention(q, q, q, 0.25)
     small = mx.zeros((1, 2, 40, 16))
-    cpu_softmax.attention(small, small, small, 0.25, "causal")
+    cpu_attention.attention(small, small, small, 0.25, "causal")
     step, keys = mx.zeros((8, 9, 1, 64)), mx.zeros((8, 3, 900, 64))
-    cpu_softmax.attention(step, keys, keys, 0.125)
+    cpu_attention.attention(step, keys, keys, 0.125)
 
 
 def test_the_flag_parses():
@@ -279,7 +279,7 @@ def test_quantized_attention_is_mlx_lms_to_the_bit(case, monkeypatch):
     padding, causal over several queries, and the causal mask by name) and not:
     the library's floats are those of mlx-lm's quantized attention."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
-    from mlx_nursery.actors.step.quantized import attention, library_agrees
+    from mlx_nursery.actors.kernels.quantized_attention import attention, library_agrees
 
     rows, heads, kv_heads, length, dim, nbits, group, n = case
     rng = np.random.default_rng(length)
@@ -291,8 +291,8 @@ def test_quantized_attention_is_mlx_lms_to_the_bit(case, monkeypatch):
     )  # fmt: skip
     assert library_agrees()  # its own check, made first
     calls = []
-    library = cpu_softmax.quantized_attention
-    monkeypatch.setattr(cpu_softmax, "quantized_attention",
+    library = cpu_attention.quantized_attention
+    monkeypatch.setattr(cpu_attention, "quantized_attention",
                         lambda *a: calls.append(a[-2:]) or library(*a))  # fmt: skip
     pads = mx.array([(i * 7) % (length - n + 1) for i in range(rows)])
     causal = mx.arange(length - n, length)[:, None] >= mx.arange(length)[None]
@@ -319,7 +319,8 @@ def test_quantized_attention_leaves_what_it_does_not_cover_to_mlx():
         k = mx.quantize(normal(rng, 2, 2, 20, 64), 64, nbits)
         v = mx.quantize(normal(rng, 2, 2, 20, 64), 64, nbits)
         additive = mx.zeros((2, 1, 1, 20))
-        got = cpu_softmax.quantized_attention(q, k, v, additive if nbits == 8 else None, 64, nbits)
+        mask = additive if nbits == 8 else None
+        got = cpu_attention.quantized_attention(q, k, v, mask, 64, nbits)
         assert got is None
     k16 = mx.quantize(normal(rng, 2, 2, 20, 64).astype(mx.float16), 64, 8)
-    assert cpu_softmax.quantized_attention(q.astype(mx.float16), k16, k16, None, 64, 8) is None
+    assert cpu_attention.quantized_attention(q.astype(mx.float16), k16, k16, None, 64, 8) is None
