@@ -14,6 +14,7 @@ the GPU actor's thread. See ``docs/engine.md`` for the graph and a row's life.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -38,7 +39,7 @@ from .intake import Intake
 from .kernels import fused, packed
 from .mailbox import Mailbox
 from .messages import Enqueue, Refused, Shutdown
-from .models.load import ModelInfo, load_draft, load_model
+from .models.load import ModelInfo, kernels_of, load_draft, load_model
 from .prefill import PrefillActor
 from .prompt_cache import PromptCacheActor
 from .ranks import RankWatch, follow, lead, rank_figures
@@ -391,11 +392,10 @@ async def _load(
             "--kv-bits is not served across ranks yet (followers keep float KV): run the "
             "sharded engine without it", param="kv_bits",
         )  # fmt: skip
-    loaded, tokenizer, info = await gpu.call_loading(
-        load_model, model, settings.dtype, group, settings.ragged_attention,
-        settings.cpu_softmax, settings.trust_remote_code, settings.kv, settings.compile,
-        settings.packed_weights,
-    )  # fmt: skip
+    kernels = kernels_of(settings)
+    loaded, tokenizer, info = await gpu.call_loading(functools.partial(
+        load_model, model, settings.dtype, group, kernels=kernels,
+        trust_remote_code=settings.trust_remote_code, kv=settings.kv))  # fmt: skip
     if sharded and group.rank() != 0:
         await gpu.call_here(follow, loaded, group)
         return None
@@ -409,10 +409,7 @@ async def _load(
     draft = None
     if settings.draft_model is not None and settings.speculative:
         draft, drafts = await gpu.call_loading(
-            load_draft, settings.draft_model, settings.dtype, tokenizer, info,
-            settings.ragged_attention, settings.cpu_softmax, settings.compile,
-            settings.packed_weights,
-        )  # fmt: skip
+            load_draft, settings.draft_model, settings.dtype, tokenizer, info, kernels)
         # a row's budget holds its draft KV too (whether or not it drafts)
         info = attrs.evolve(
             info, kv_costs=info.kv_costs + drafts.kv_costs,

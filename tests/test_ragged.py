@@ -12,7 +12,7 @@ import trio
 from conftest import checked_engine, loaded
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
-from mlx_nursery.actors.kernels import ragged
+from mlx_nursery.actors.kernels import Kernels, ragged
 
 
 def test_row_by_row_attention_equals_the_padded_masked_one():
@@ -71,9 +71,11 @@ def test_the_flag_turns_it_off_for_the_process(capsys):
 
     from conftest import model_path
 
-    load_model(str(model_path("llama")), None, ragged_attention=False, cpu_softmax=False)
+    load_model(str(model_path("llama")), None,
+               kernels=Kernels(ragged_attention=False, cpu_softmax=False))  # fmt: skip
     assert not hasattr(llama_module.scaled_dot_product_attention, "__wrapped__")
-    load_model(str(model_path("llama")), None, ragged_attention=False)  # the softmax alone
+    load_model(str(model_path("llama")), None,
+               kernels=Kernels(ragged_attention=False))  # the softmax alone
     assert llama_module.scaled_dot_product_attention._mlx_nursery_ragged == (False, True)
     load_model(str(model_path("llama")), None)
     assert llama_module.scaled_dot_product_attention.__wrapped__ is not None

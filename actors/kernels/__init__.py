@@ -28,6 +28,17 @@ from . import fused, packed, ragged
 
 
 @attrs.frozen
+class Kernels:
+    """Which kernels a model is loaded with (``--ragged-attention``,
+    ``--cpu-softmax``, ``--compile`` resolved to on or off, ``--packed-weights``)."""
+
+    ragged_attention: bool = True
+    cpu_softmax: bool = True
+    compile: bool = False
+    packed_weights: bool = False
+
+
+@attrs.frozen
 class Installed:
     """What :func:`install` put on a model."""
 
@@ -44,17 +55,17 @@ class Installed:
         return "; ".join(parts)
 
 
-def install(model: Any, *, ragged_attention: bool = True, cpu_softmax: bool = True,
-            compile: bool = False, packed_weights: bool = False) -> Installed:  # fmt: skip
-    """Put the kernels the settings ask for on ``model``, and take off those a
-    model object given again still carries that they no longer ask for; say
+def install(model: Any, kernels: Kernels = Kernels()) -> Installed:
+    """Put the kernels ``kernels`` asks for on ``model``, and take off those a
+    model object given again still carries that it no longer asks for; say
     what was put."""
-    attention = ragged.install(model, rows=ragged_attention, exact_softmax=cpu_softmax)
-    if compile:
+    attention = ragged.install(model, rows=kernels.ragged_attention,
+                               exact_softmax=kernels.cpu_softmax)  # fmt: skip
+    if kernels.compile:
         figures = fused.install(model)
     else:
         fused.uninstall(model)
         figures = None
     packed.uninstall(model)  # packed anew, or not
-    packing = packed.install(model) if packed_weights else None
+    packing = packed.install(model) if kernels.packed_weights else None
     return Installed(attention, figures, packing)

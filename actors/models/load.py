@@ -9,10 +9,10 @@ from typing import Any
 
 import attrs
 
-from .. import kernels
 from ..budget import LayerCost, probe
 from ..errors import InvalidRequest
 from ..families import family_of
+from ..kernels import Kernels, install
 from ..ranks import SharedInputs, sharded_load
 from ..step.drafting import DraftModel
 from ..step.quantized import runs_here
@@ -42,12 +42,10 @@ def load_model(
     model: Any,
     dtype: str | None,
     group: Any = None,
-    ragged_attention: bool = True,
-    cpu_softmax: bool = True,
+    *,
+    kernels: Kernels = Kernels(),  # noqa: B008 (frozen)
     trust_remote_code: bool = False,
     kv: Any = None,
-    compile: str = "off",
-    packed_weights: bool = False,
 ) -> tuple[Any, Any, ModelInfo]:
     """Load (a directory, hub id or GGUF file; or take a ``(model, tokenizer)``
     pair), cast (see :func:`cast`), and inspect the model's caches.
@@ -57,10 +55,8 @@ def load_model(
     model's inputs go through :class:`ranks.SharedInputs`. The figures (KV costs,
     weight bytes) are then one rank's share. ``kv`` (a ``KvBits``): the KV costs
     count quantized bytes, and a model whose heads its groups do not divide is
-    refused. ``compile`` (``--compile``: auto, on, off): the decode steps' norms and
-    RoPE under ``mx.compile`` (``kernels.fused``). ``packed_weights``
-    (``--packed-weights``): decode-step products from packed weights
-    (``kernels.packed``), their bytes counted in the weights'."""
+    refused. ``kernels``: what ``kernels.install`` puts on the model (the packed
+    products' bytes are counted in the weights')."""
     from mlx.utils import tree_flatten
     from mlx_lm import load
     from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -80,9 +76,7 @@ def load_model(
     else:
         model, tokenizer = model
     cast(model, dtype)
-    installed = kernels.install(model, ragged_attention=ragged_attention,
-                                cpu_softmax=cpu_softmax, compile=compiled(compile),
-                                packed_weights=packed_weights)  # fmt: skip
+    installed = install(model, kernels)
     log.debug("kernels on %s: %s", name, installed)
     packing = installed.packed
     if sharded:
@@ -141,10 +135,7 @@ def load_draft(
     dtype: str | None,
     tokenizer: Any,
     info: ModelInfo,
-    ragged_attention: bool = True,
-    cpu_softmax: bool = True,
-    compile: str = "off",
-    packed_weights: bool = False,
+    kernels: Kernels = Kernels(),  # noqa: B008 (frozen)
 ) -> tuple[DraftModel, ModelInfo]:
     """Load a draft model for ``--draft-model`` as the target was loaded, and
     check that it can draft for it: the same vocabulary (token for token) and
@@ -152,10 +143,7 @@ def load_draft(
     mismatch is an :class:`InvalidRequest` naming ``draft_model``."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    model, draft_tokenizer, draft_info = load_model(
-        path, dtype, None, ragged_attention, cpu_softmax, compile=compile,
-        packed_weights=packed_weights,
-    )
+    model, draft_tokenizer, draft_info = load_model(path, dtype, kernels=kernels)
     ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if ours != theirs:
         differ = len(set(ours.items()) ^ set(theirs.items()))
@@ -191,6 +179,12 @@ def cast(model: Any, dtype: str | None) -> None:
     if dtype is not None:
         model.set_dtype(getattr(mx, dtype))
         mx.eval(model.parameters())
+
+
+def kernels_of(settings: Any) -> Kernels:
+    """The kernels an engine's settings ask for, ``--compile auto`` resolved."""
+    return Kernels(settings.ragged_attention, settings.cpu_softmax, compiled(settings.compile),
+                   settings.packed_weights)  # fmt: skip
 
 
 def compiled(setting: str) -> bool:
