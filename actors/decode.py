@@ -43,14 +43,14 @@ from .messages import (
 )
 from .request import FinishReason
 from .row import Cancel, End, Finish, Phase, Row
+from .speculation.drafters import DRAFTERS
+from .speculation.verify import Speculation, Verifier
 from .stats import Count, Gauge, Metric, Observe, Stats
 from .step.batch import Batch
-from .step.drafting import DRAFTERS
 from .step.kv import fit
 from .step.quantized import KvBits
 from .step.slots import Read
 from .step.syncs import Phases
-from .step.verify import Speculation, Verifier
 
 MAILBOX_SIZE = 4096
 CLEAR_CACHE_EVERY = 256  # steps between mx.clear_cache(), as generate_step does

@@ -47,6 +47,8 @@ from .request import Prompt, Request, Result
 from .row import Cancel, Phase, Row, RowView, SessionView, sessions, tree, view
 from .serial import Serial
 from .settings import EngineSettings
+from .speculation.drafters import DraftModel
+from .speculation.verify import Speculation
 from .stats import (
     CompiledFigures,
     Count,
@@ -58,8 +60,6 @@ from .stats import (
     StatsSnapshot,
 )
 from .step import warmup
-from .step.drafting import DraftModel
-from .step.verify import Speculation
 from .stream import RequestStream
 from .watchdog import Watchdog, stall_reason
 

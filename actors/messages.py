@@ -119,7 +119,7 @@ class Backlog:
     """admission -> decode (through prefill): whether requests now wait for a
     slot of the batch (queued or paused), sent when that changes. With nobody
     waiting, a draft kept only shortens the batch's own work, and the gate
-    values drafts so (``step.drafting.Gate.choose``)."""
+    values drafts so (``speculation.gate.Gate.choose``)."""
 
     waiting: bool
 

@@ -19,7 +19,7 @@ import attrs
 from .budget import parse_budget, parse_bytes
 from .errors import InvalidRequest
 from .request import DEFAULT_MAX_TOKENS, SamplingParams
-from .step.drafting import MAX_DRAFT
+from .speculation.drafters import MAX_DRAFT
 from .step.quantized import BITS, DEFAULT_QUANTIZED_KV_START, GROUP_SIZES, KvBits
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -319,7 +319,7 @@ class EngineSettings:
     speculative: bool = setting(
         True, validator=_boolean, parse=_on_off, shown="on",
         help="speculative decoding in the continuous batch: rows draft tokens by n-gram "
-        "lookup in their own prompt and output and in recent rows' (actors/step/drafting.py), "
+        "lookup in their own prompt and output and in recent rows' (actors/speculation/), "
         "verified in one forward, only where the measured step cost pays for them; a "
         "request can say speculative: false",
     )  # fmt: skip

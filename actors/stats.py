@@ -110,7 +110,7 @@ class Metric(enum.Enum):
         "Decoding rows paused (KV kept) to give their slot to a session below its share.",
     )  # fmt: skip
     RESUMED = (Kind.COUNTER, "rows_resumed", "Paused rows that rejoined the batch.")
-    # speculative decoding (actors/step/drafting.py), by drafter
+    # speculative decoding (actors/speculation/), by drafter
     DRAFTED_PROMPT = (
         Kind.COUNTER, "draft_tokens_prompt", "Draft tokens proposed by prompt lookup."
     )

@@ -88,6 +88,10 @@ def test_the_package_has_no_import_cycle():
     below = {n: {d for d in deps if d in actors or ".actors.step" in d}
              for n, deps in graph.items() if ".actors.kernels" in n}  # fmt: skip
     assert not any(below.values()), f"a kernel imports an actor or the step: {below}"
+    # Speculation serves the batch from above: the step state never imports it.
+    up = {n: {d for d in deps if ".actors.speculation" in d}
+          for n, deps in graph.items() if ".actors.step" in n}  # fmt: skip
+    assert not any(up.values()), f"the step state imports speculation: {up}"
     # The actors are peers: they meet through actors/messages.py (and rows, stats
     # and the GPU actor, which serve them all); only the engine wires them.
     peers = actors - {f"{PACKAGES['actors']}.{name}" for name in ("engine", "stats", "gpu")}

@@ -1,4 +1,4 @@
-"""Speculative decoding (actors/step/drafting.py, step/verify.py): drafts verified in
+"""Speculative decoding (actors/speculation/): drafts verified in
 the continuous batch give mlx-lm's own tokens.
 
 The golden models are tiny and random: left to the gate, they rarely draft (their
@@ -22,10 +22,11 @@ from conftest import checked_engine, golden, loaded, model_path, running_server
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_nursery.actors.errors import InvalidRequest
 from mlx_nursery.actors.request import SamplingParams
+from mlx_nursery.actors.speculation.drafters import Drafter, Matches, NgramIndex, SharedIndex
+from mlx_nursery.actors.speculation.gate import Gate
+from mlx_nursery.actors.speculation.verify import Speculation, Verifier
 from mlx_nursery.actors.step.batch import Batch
-from mlx_nursery.actors.step.drafting import Drafter, Gate, Matches, NgramIndex, SharedIndex
 from mlx_nursery.actors.step.joiner import Prefill
-from mlx_nursery.actors.step.verify import Speculation, Verifier
 from test_parity import _play_scenarios
 
 PLAIN_KV = ("llama", "qwen3")  # the golden families whose caches can be cut back
@@ -510,7 +511,7 @@ def test_gate_times_a_plain_step_only_by_an_uninterrupted_period(monkeypatch):
     """A plain step's period is a cost figure only when the GPU call before its
     own was the last plain step's, with the same rows and no join: a prefill
     chunk, a leave or a join in between is not the step's cost."""
-    from mlx_nursery.actors.step import verify
+    from mlx_nursery.actors.speculation import verify
 
     model, _ = loaded("llama")
     case = golden("llama")["serial"][0]

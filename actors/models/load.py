@@ -14,7 +14,7 @@ from ..errors import InvalidRequest
 from ..families import family_of
 from ..kernels import Kernels, install
 from ..ranks import SharedInputs, sharded_load
-from ..step.drafting import DraftModel
+from ..speculation.drafters import DraftModel
 from ..step.quantized import runs_here
 from .registry import resolve, short_id
 

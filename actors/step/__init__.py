@@ -1,8 +1,7 @@
 """The decode step's GPU-thread state: what ``gpu.call`` runs, never the event loop.
 
-- ``batch``: the running batch (membership, KV, the plain pipelined step);
-- ``verify``: speculation's verify step, settle and rollback, and the gate's timing;
-- ``drafting``: the drafters (n-gram indexes, a draft model) and the gate;
+- ``batch``: the running batch (membership, KV, the plain pipelined step, and
+  what a verify step leaves: ``settle``, ``roll_back``);
 - ``joiner``: a joiner's prefill and prime (alone, or several padded together);
 - ``slots``: a row's sampling state in a batch, and what a step reads from it;
 - ``kv``: KV cache helpers the batch, the joiner and the prompt cache share;
@@ -13,7 +12,8 @@
   reads it to time steps).
 
 The kernels the model runs with (attention, the C library, the compiled
-blocks, packed products) are ``actors/kernels/``. The actors own these objects
+blocks, packed products) are ``actors/kernels/``; speculative decoding is
+``actors/speculation/``. The actors own these objects
 and hand them to the GPU thread; nothing here imports an actor. Importers name
 the module (``step.batch.Batch``): this package re-exports nothing, so taking
 ``kv`` does not load the batch.

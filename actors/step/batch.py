@@ -13,6 +13,7 @@ step in place of a plain one; the batch knows it only through that surface.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -34,7 +35,7 @@ from .kv import (
     side_by_side,
     write_row,
 )  # fmt: skip
-from .quantized import KvBits, arrays, first, quantized_kind
+from .quantized import KvBits, arrays, first, planes, quantized_kind
 from .slots import LogprobReads, Read, Sampled, Slot, row_fault
 from .syncs import Phases, wait
 
@@ -50,6 +51,9 @@ class Verifying(Protocol):
 
     def drafters(self, slots: Sequence[Slot]) -> None:
         """Newly joined slots get their drafters."""
+
+    def known(self, slot: Slot, token: int) -> None:
+        """A plain step read ``slot``'s pending ``token`` (its drafter learns it)."""
 
     def remember(self, slots: Sequence[Slot]) -> None:
         """Ending slots' tokens go to the shared index."""
@@ -465,8 +469,8 @@ class Batch:
                 out.append(None)
                 continue
             known, slot.pending_known = slot.pending_known, False
-            if slot.drafter is not None and not known:
-                slot.drafter.known(token)
+            if self.verifier is not None and not known:
+                self.verifier.known(slot, token)
             if slot.fault is not None:
                 out.append(Read((Sampled(token, None, None, error=slot.fault),)))
             elif slot.pending_read:
@@ -478,3 +482,54 @@ class Batch:
                 out.append(Read((Sampled(token, logprob, top),)))
         self.phases = Phases(built - t0, waited, time.perf_counter() - built - waited)
         return out
+
+    def settle(self, tokens: mx.array, logprobs: list[mx.array]) -> None:
+        """A verify step's outcome: each slot's next pending token and its
+        logprobs (the token after the drafts it kept)."""
+        self.next_tokens, self.next_logprobs = tokens, logprobs
+
+    def roll_back(self, kept: list[int | None], width: int, start: int, pads: list[int]) -> int:
+        """Take the drafts each row did not keep (``width`` minus ``kept``) out of
+        its KV. A lone row's caches are trimmed. A batch is trimmed by the fewest
+        any row rejected; a row that rejected more has that many stale slots
+        left before the write position: its first tokens are copied into them
+        and its left padding moved past where they were. Attention does not care
+        where in the buffer a key sits (its position is rotated into it), so a
+        few slots are copied instead of the row; the row's token order is kept
+        on its slot (``Slot.order``) for when its KV is taken out. ``start`` is
+        where the step began writing, ``pads`` the rows' left padding then.
+        Returns the KV bytes it copied."""
+        rejected = [None if k is None else width - k for k in kept]
+        least = min((r for r in rejected if r is not None), default=0)
+        for c in self.caches:
+            c.trim(least)
+        if not self.batched:
+            return 0
+        rows, src, dst, shifts = [], [], [], []
+        for i, (slot, k) in enumerate(zip(self.slots, kept, strict=True)):
+            stale = 0 if k is None else width - k - least
+            shifts.append(stale)
+            if not stale:
+                continue
+            before = start - pads[i]  # tokens it held before the step
+            valid = before + 1 + k
+            moving, to = min(stale, valid), max(valid, stale)
+            rows += [i] * moving
+            src += [pads[i] + p for p in range(moving)]
+            dst += [pads[i] + to + p for p in range(moving)]
+            order = slot.order or []
+            slot.order = [
+                (to + p if p < moving else p) - stale
+                for p in itertools.chain(order, range(len(order), valid))
+            ]
+        if not rows:
+            return 0
+        b, s, d, by = mx.array(rows), mx.array(src), mx.array(dst), mx.array(shifts)
+        for c in self.caches:
+            for a in planes(c):
+                a[b, :, d] = a[b, :, s]
+            c.offset = c.offset - by
+            c.left_padding = c.left_padding + by
+        per_slot = sum(a[:1, :, :1].nbytes for c in self.caches for a in planes(c))
+        self.copied += per_slot * len(rows)
+        return per_slot * len(rows)

@@ -20,7 +20,6 @@ from mlx_lm.sample_utils import (
 )
 
 from ..request import SamplingParams, TopLogprob
-from .drafting import PACE_PRIOR, Drafter
 
 
 class SeededSampler:
@@ -81,6 +80,10 @@ def build_sampling(params: SamplingParams):
     )
     return sampler, processors + list(params.logits_processors)
 
+
+# A row's steps left are its tokens left to max_tokens over its pace so far: tokens
+# read per step, from a prior of one a step over this many steps (``Slot.steps_left``).
+PACE_PRIOR = 8
 
 @attrs.frozen
 class Sampled:
@@ -193,7 +196,7 @@ class Slot:
     # A retired row's slot: still stepped (its output never read) until a joiner
     # is written over it in place or the batch is compacted.
     dead: bool = False
-    # Drafting (drafting.py). The row's ids that end it, and how many tokens it
+    # Drafting (actors/speculation/). The row's ids that end it, and how many tokens it
     # may still read, so a verify step keeps no draft past its end (Row.accept
     # decides the same on the event loop); its prompt, for its drafter, made when
     # it joins a batch that drafts.
@@ -202,12 +205,11 @@ class Slot:
     read: int = 0  # tokens read, and steps taken, in this batch: its pace
     steps: int = 0
     prompt: list[int] | None = attrs.field(default=None, repr=False)
-    drafter: Drafter | None = None
-    pending_known: bool = False  # the pending token is evaluated and in the drafter
+    pending_known: bool = False  # the pending token is evaluated and in its drafter
     first: int | None = None  # its first token, read at prime (for its drafter)
     # Where its first tokens sit in the batch KV buffer, relative to its left
     # padding, in token order (the tokens after them sit in order after them);
-    # None: all in order. Verify steps reorder a row's keys (``Verifier.roll_back``);
+    # None: all in order. Verify steps reorder a row's keys (``Batch.roll_back``);
     # taking its KV out puts them back in order.
     order: list[int] | None = attrs.field(default=None, repr=False)
 

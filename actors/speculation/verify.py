@@ -3,7 +3,7 @@
 A :class:`Verifier` rides on a :class:`batch.Batch` that drafts (GPU thread),
 which reaches it only through ``batch.Verifying``, the surface below. Before
 each step the batch asks it for a verify step (:meth:`Verifier.step`); the gate
-(``drafting.Gate``) sizes it from what the slots' drafters offer and from what
+(``speculation.gate.Gate``) sizes it from what the slots' drafters offer and from what
 steps cost, which the verifier measures: plain steps' periods
 (:meth:`Verifier.plain_clock`) and verify steps' spans (:meth:`Verifier.settle`). A
 verify step feeds each slot's pending token and its drafts in one forward, keeps
@@ -15,19 +15,19 @@ and ending ones (:meth:`Verifier.remember`); nothing else crosses.
 
 from __future__ import annotations
 
-import itertools
 import time
+import weakref
 from collections.abc import Sequence
 
 import attrs
 import mlx.core as mx
 
 from ..kernels import cpu_attention, ragged
-from .batch import Batch
-from .calls import calls_begun
-from .drafting import Drafter, DraftModel, Gate, Matches, ModelDrafter, SharedIndex
-from .quantized import planes
-from .slots import Read, Sampled, SeededSampler, Slot
+from ..step.batch import Batch
+from ..step.calls import calls_begun
+from ..step.slots import Read, Sampled, SeededSampler, Slot
+from .drafters import Drafter, DraftModel, Matches, ModelDrafter, SharedIndex
+from .gate import Gate
 
 
 @attrs.define(eq=False)
@@ -93,6 +93,9 @@ class Verifier:
     # gate's cost figures.
     _plain_at: tuple[int, float, int] | None = attrs.field(default=None, repr=False)
     _verified: _Verified | None = attrs.field(default=None, repr=False)  # the last verify step
+    # Each drafting slot's drafter (a slot leaves the batch: its entry goes with it).
+    _drafters: weakref.WeakKeyDictionary[Slot, Drafter] = attrs.field(
+        factory=weakref.WeakKeyDictionary, repr=False)
 
     # -- what the batch tells it ------------------------------------------------
 
@@ -111,20 +114,27 @@ class Verifier:
         indexed), where the row allows it."""
         spec = self.spec
         for slot in slots:
-            if slot.drafter is not None or slot.prompt is None or slot.dead:
+            if slot in self._drafters or slot.prompt is None or slot.dead:
                 continue
             asked = slot.params.max_draft
             limit = spec.max_draft if asked is None else min(asked, spec.max_draft)
             if limit > 0 and not slot.processors and slot.first is not None:
                 if spec.draft is None:
-                    slot.drafter = Drafter.start(slot.prompt, spec.shared, spec.matches, limit)
+                    drafter = Drafter.start(slot.prompt, spec.shared, spec.matches, limit)
                 else:
-                    slot.drafter = ModelDrafter.start(
+                    drafter = ModelDrafter.start(
                         slot.prompt, spec.shared, spec.matches, limit, spec.draft
                     )
-                slot.drafter.known(slot.first)  # read at prime: known
+                self._drafters[slot] = drafter
+                drafter.known(slot.first)  # read at prime: known
                 slot.pending_known = True
             slot.prompt = None
+
+    def known(self, slot: Slot, token: int) -> None:
+        """A plain step read ``slot``'s pending ``token``: its drafter learns it."""
+        drafter = self._drafters.get(slot)
+        if drafter is not None:
+            drafter.known(token)
 
     def remember(self, slots: Sequence[Slot]) -> None:
         """These slots' rows are ending: their prompts and outputs go to the shared
@@ -132,8 +142,9 @@ class Verifier:
         if self.spec.shared is None:
             return
         for slot in slots:
-            if slot.drafter is not None:
-                self.spec.shared.add(slot.drafter.own.tokens)
+            drafter = self._drafters.pop(slot, None)
+            if drafter is not None:
+                self.spec.shared.add(drafter.own.tokens)
 
     # -- the step ---------------------------------------------------------------
 
@@ -149,7 +160,7 @@ class Verifier:
             return self._verify(batch, width, plan.proposals)
         for slot, proposal in zip(batch.slots, plan.proposals, strict=True):
             if proposal:
-                slot.drafter.shadow_of(proposal)
+                self._drafters[slot].shadow_of(proposal)
         return None
 
     def plain_clock(self, batch: Batch) -> _Clock | None:
@@ -197,7 +208,7 @@ class Verifier:
         pending token only when a verify step evaluated it), for the gate."""
         offers, proposals, ends, others = [], [], [], []
         for slot in slots:
-            drafter = slot.drafter
+            drafter = self._drafters.get(slot)
             proposal: list[int] = []
             n = 0
             if drafter is not None and not slot.dead and slot.fault is None and slot.left > 1:
@@ -250,32 +261,32 @@ class Verifier:
                                         logprobs[e])  # fmt: skip
             out.append(read)
             kept.append(k)
-        batch.next_tokens = mx.array([drawn[e][k or 0] for e, k in enumerate(kept)], mx.uint32)
-        batch.next_logprobs = [logprobs[e, k or 0] for e, k in enumerate(kept)]
-        self.roll_back(batch, kept, width, start, pads)
+        batch.settle(mx.array([drawn[e][k or 0] for e, k in enumerate(kept)], mx.uint32),
+                     [logprobs[e, k or 0] for e, k in enumerate(kept)])
+        batch.roll_back(kept, width, start, pads)
         batch.settle_precision()
         self._verified = _Verified(len(batch.slots), width + 1, t0, time.perf_counter() - t0)
         return out
 
-    @staticmethod
-    def _offer(slot: Slot, token: int, proposal: list[int], width: int) -> _Offer | None:
+    def _offer(self, slot: Slot, token: int, proposal: list[int],
+               width: int) -> _Offer | None:  # fmt: skip
         """One slot's drafts after its pending ``token`` (now known: its guess scored)."""
-        if slot.drafter is None or slot.dead or slot.fault is not None:
+        drafter = self._drafters.get(slot)
+        if drafter is None or slot.dead or slot.fault is not None:
             return None
         if not slot.pending_known:
-            slot.drafter.known(token)
+            drafter.known(token)
             slot.pending_known = True
             if proposal:
-                slot.drafter.guessed(proposal[0] == token)
+                drafter.guessed(proposal[0] == token)
         if token in slot.stop_ids or (slot.left <= 1 and not slot.pending_read):
             return None
         budget = slot.left - (0 if slot.pending_read else 1)
-        tokens = slot.drafter.propose(min(width, budget))
-        return _Offer(tokens, slot.drafter.match[0]) if tokens else None
+        tokens = drafter.propose(min(width, budget))
+        return _Offer(tokens, drafter.match[0]) if tokens else None
 
-    @staticmethod
     def _settled_row(
-        slot: Slot, token: int, token_lp: mx.array, offer: _Offer | None,
+        self, slot: Slot, token: int, token_lp: mx.array, offer: _Offer | None,
         drawn: list[int], logprobs: mx.array,
     ) -> tuple[Read | None, int | None]:  # fmt: skip
         """What one slot read from a verify step (its pending ``token``, then its
@@ -290,20 +301,20 @@ class Verifier:
         else:
             ended = slot.counted(token)
             tokens.append(slot.sampled(token, token_lp))
-        a = 0
-        if offer is not None:
+        a, drafter = 0, self._drafters.get(slot)
+        if offer is not None and drafter is not None:
             while not ended and a < len(offer.tokens) and drawn[a] == offer.tokens[a]:
                 draft = offer.tokens[a]
                 tokens.append(slot.sampled(draft, logprobs[a]))
-                slot.drafter.known(draft)
+                drafter.known(draft)
                 ended = slot.counted(draft)
                 a += 1
-            slot.drafter.drafted(len(offer.tokens), a)
+            drafter.drafted(len(offer.tokens), a)
         if isinstance(slot.sampler, SeededSampler):
             slot.sampler.keep(a + 1)  # the drafts it kept, and the token after them
-        if slot.drafter is not None:
-            slot.drafter.known(drawn[a])
-        slot.pending_known = slot.drafter is not None
+        if drafter is not None:
+            drafter.known(drawn[a])
+        slot.pending_known = drafter is not None
         if offer is None:
             return Read(tuple(tokens)), a
         return Read(tuple(tokens), offer.drafter, len(offer.tokens), a), a
@@ -322,50 +333,3 @@ class Verifier:
         else:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return logprobs, batch.sample(logprobs)  # samplers take any leading shape
-
-    @staticmethod
-    def roll_back(
-        batch: Batch, kept: list[int | None], width: int, start: int, pads: list[int]
-    ) -> None:
-        """Take the drafts each row did not keep (``width`` minus ``kept``) out of
-        its KV. A lone row's caches are trimmed. A batch is trimmed by the fewest
-        any row rejected; a row that rejected more has that many stale slots
-        left before the write position: its first tokens are copied into them
-        and its left padding moved past where they were. Attention does not care
-        where in the buffer a key sits (its position is rotated into it), so a
-        few slots are copied instead of the row; the row's token order is kept
-        on its slot (``Slot.order``) for when its KV is taken out. ``start`` is
-        where the step began writing, ``pads`` the rows' left padding then."""
-        rejected = [None if k is None else width - k for k in kept]
-        least = min((r for r in rejected if r is not None), default=0)
-        for c in batch.caches:
-            c.trim(least)
-        if not batch.batched:
-            return
-        rows, src, dst, shifts = [], [], [], []
-        for i, (slot, k) in enumerate(zip(batch.slots, kept, strict=True)):
-            stale = 0 if k is None else width - k - least
-            shifts.append(stale)
-            if not stale:
-                continue
-            before = start - pads[i]  # tokens it held before the step
-            valid = before + 1 + k
-            moving, to = min(stale, valid), max(valid, stale)
-            rows += [i] * moving
-            src += [pads[i] + p for p in range(moving)]
-            dst += [pads[i] + to + p for p in range(moving)]
-            order = slot.order or []
-            slot.order = [
-                (to + p if p < moving else p) - stale
-                for p in itertools.chain(order, range(len(order), valid))
-            ]
-        if not rows:
-            return
-        b, s, d, by = mx.array(rows), mx.array(src), mx.array(dst), mx.array(shifts)
-        for c in batch.caches:
-            for a in planes(c):
-                a[b, :, d] = a[b, :, s]
-            c.offset = c.offset - by
-            c.left_padding = c.left_padding + by
-        per_slot = sum(a[:1, :, :1].nbytes for c in batch.caches for a in planes(c))
-        batch.copied += per_slot * len(rows)
