@@ -22,13 +22,11 @@ from typing import Any
 import attrs
 import httpx
 import trio
-from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from . import model_process
-from .access import reach
 from .api.base import ApiError, dumps, model_of, object_body
 from .app import (
     APIS,
@@ -45,7 +43,7 @@ from .pool import Pool
 from .replicas import ReplicaSet
 from .request_log import RequestLog
 from .routes import body_json, json_response
-from .serve import _signals, arm_exit_deadline, hypercorn_config
+from .serve import arm_exit_deadline, hosted, until_any
 from .settings import Settings
 from .state import ServerPhase, pool_of
 
@@ -395,29 +393,14 @@ async def serve_front(settings: Settings, replicas: ReplicaSet, *, handle_signal
     state: FrontState = app.extensions["mlx_nursery"]
 
     async def trigger() -> None:
-        async with trio.open_nursery() as waiters:
-
-            async def stop_on(event: trio.Event) -> None:
-                await event.wait()
-                waiters.cancel_scope.cancel()
-
-            waiters.start_soon(stop_on, state.failed)
-            if handle_signals:
-                waiters.start_soon(_signals, waiters.cancel_scope)
+        await until_any(state.failed, signals=handle_signals)
         if state.phase is not ServerPhase.FAILED:
             state.phase = ServerPhase.DRAINING
         log.info("shutting down: the replicas drain (up to %.0f s)", settings.drain_seconds)
         arm_exit_deadline(settings.drain_seconds + 45.0)
         await replicas.stop()
 
-    async with trio.open_nursery() as nursery:
-        urls = await nursery.start(
-            lambda task_status: hypercorn_serve(
-                app, hypercorn_config(settings), shutdown_trigger=trigger, task_status=task_status
-            )
-        )
-        log.info("listening on %s; reachable from %s", ", ".join(urls), reach(settings))
-        task_status.started((urls, state))
+    await hosted(app, settings, trigger, state, task_status)
     return state
 
 

@@ -42,6 +42,7 @@ import httpx
 import trio
 from mlx_nursery.actors.disk_cache import KV_DIR_ENV, kv_root
 
+from . import clients
 from .settings import API_KEY_ENV
 
 log = logging.getLogger("mlx_nursery.server")
@@ -348,17 +349,7 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 def serve_flags(argv: Sequence[str]) -> list[str]:
     """``serve``'s flags as given, less those the set gives each replica itself."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in OWN_FLAGS:
-            skip = OWN_FLAGS[name] and "=" not in arg
-            continue
-        out.append(arg)
-    return [a for a in out if a != "serve"]
+    return [a for a in clients.serve_flags(argv, OWN_FLAGS) if a != "serve"]
 
 
 def replica_budget(budget: Any, count: int) -> str | None:

@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 import trio
 from hypercorn.config import Config
@@ -105,16 +106,7 @@ async def serve(
     shutdown = trio.Event() if shutdown is None else shutdown
 
     async def trigger() -> None:
-        async with trio.open_nursery() as waiters:
-
-            async def stop_on(event: trio.Event) -> None:
-                await event.wait()
-                waiters.cancel_scope.cancel()
-
-            waiters.start_soon(stop_on, shutdown)
-            waiters.start_soon(stop_on, state.failed)
-            if handle_signals:
-                waiters.start_soon(_signals, waiters.cancel_scope)
+        await until_any(shutdown, state.failed, signals=handle_signals)
         log.info(
             "shutting down: draining in-flight requests (up to %.0f s)", settings.drain_seconds
         )
@@ -122,6 +114,14 @@ async def serve(
             arm_exit_deadline(settings.drain_seconds + EXIT_GRACE_SECONDS)
         await state.drain(settings.drain_seconds)
 
+    await hosted(app, settings, trigger, state, task_status)
+    return state
+
+
+async def hosted(app: Any, settings: Settings, trigger: Any, state: Any,
+                 task_status=trio.TASK_STATUS_IGNORED) -> None:  # fmt: skip
+    """Serve ``app`` under Hypercorn until ``trigger`` returns (it drains); report
+    the bound URLs and ``state`` through ``task_status`` once listening."""
     async with trio.open_nursery() as nursery:
         urls = await nursery.start(
             lambda task_status: hypercorn_serve(
@@ -130,7 +130,6 @@ async def serve(
         )
         log.info("listening on %s; reachable from %s", ", ".join(urls), reach(settings))
         task_status.started((urls, state))
-    return state
 
 
 # After the drain: the engine's close (rows' terminal events, the disk tier's
@@ -156,6 +155,20 @@ def arm_exit_deadline(seconds: float) -> threading.Timer:
     timer.daemon = True
     timer.start()
     return timer
+
+
+async def until_any(*events: trio.Event, signals: bool = False) -> None:
+    """Until one of ``events`` is set, or (``signals``) SIGINT or SIGTERM arrives."""
+    async with trio.open_nursery() as waiters:
+
+        async def stop_on(event: trio.Event) -> None:
+            await event.wait()
+            waiters.cancel_scope.cancel()
+
+        for event in events:
+            waiters.start_soon(stop_on, event)
+        if signals:
+            waiters.start_soon(_signals, waiters.cancel_scope)
 
 
 async def _signals(scope: trio.CancelScope) -> None:

@@ -89,20 +89,26 @@ async def test_claude_code_fans_out_sub_agents_edits_a_file_and_shares_its_promp
     assert stats["prompt_adjusted"]["claude_code_attribution_dropped"] == len(sent)
     line = 'mlx_nursery_prompt_adjusted_total{kind="claude_code_attribution_dropped"}'
     assert f"{line} {float(len(sent))}" in metrics
-    by = {}
-    for t in turns:
-        by.setdefault(t.conversation, []).append(t)
+    by = shared_as_sent(turns)
     # a second conversation finds its system prompt and tools cached
     (again,) = [c for name, c in by.items() if name == "conversation 2"]
     assert again[0].share >= SHARED, table(again)
-    # sibling sub-agents share theirs: each after the first finds it cached
+
+
+def shared_as_sent(turns: list) -> dict[str, list]:
+    """The run's turns by conversation, checked: sibling sub-agents share their
+    prompt (each after the first finds it cached), and every request after a
+    conversation's first finds what the conversation sent."""
+    by: dict[str, list] = {}
+    for t in turns:
+        by.setdefault(t.conversation, []).append(t)
     firsts = sorted((c[0] for name, c in by.items() if name.startswith("sub-agent")),
                     key=lambda t: t.cached_tokens)  # fmt: skip
     assert all(t.share >= SHARED for t in firsts[1:]), table(firsts)
-    # every request after a conversation's first finds what the conversation sent
     for c in by.values():
         for before, after in itertools.pairwise(c):
             assert after.cached_tokens >= SHARED * before.prompt_tokens, table(c)
+    return by
 
 
 async def test_claude_code_through_replicas_keeps_its_sub_agents_with_it(tmp_path):
@@ -126,16 +132,7 @@ async def test_claude_code_through_replicas_keeps_its_sub_agents_with_it(tmp_pat
                if any(x.get("session") == session for x in r["stats"]["recent_requests"])]
     assert len(holders) == 1, holders  # the whole tree on one replica
     assert sum(r["stats"].get("finished", 0) for r in stats["replicas"]) >= len(sent)
-    turns = messages_turns(exchanges)
-    by = {}
-    for t in turns:
-        by.setdefault(t.conversation, []).append(t)
-    firsts = sorted((c[0] for name, c in by.items() if name.startswith("sub-agent")),
-                    key=lambda t: t.cached_tokens)  # fmt: skip
-    assert all(t.share >= SHARED for t in firsts[1:]), table(firsts)
-    for c in by.values():
-        for before, after in itertools.pairwise(c):
-            assert after.cached_tokens >= SHARED * before.prompt_tokens, table(c)
+    shared_as_sent(messages_turns(exchanges))
 
 
 @pytest.mark.parametrize("family", [None, "harmony"])
