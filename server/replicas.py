@@ -2,13 +2,14 @@
 existing prefix-aware router, on the one address users know. See
 ``docs/scale-out.md``, "Replicas".
 
-Three kinds of process, all on loopback but the front:
+Three kinds of process, all on loopback but the front (and remote replicas):
 
 - **Replicas**: each a whole ``mlx-nursery serve`` of the model (its own
   engine, prompt cache and disk tier), started from the front's own flags on a
-  fixed loopback port with a key only the set knows. A replica that dies is
-  started again on its port (``RESTART_BACKOFF``); one given by ``--replica-url``
-  runs elsewhere and is only watched.
+  fixed loopback port with the set's key (the front's ``--api-key``, else one
+  the set makes), with ``--replica``. A replica that dies is started again on
+  its port (``RESTART_BACKOFF``); one given by ``--replica-url`` runs elsewhere
+  and is only watched.
 - **The router**: SGLang's Model Gateway (``smg``, pinned in the project's
   dependencies), a Rust binary that keeps an approximate radix tree of the
   prompts it sent each worker (``cache_aware``) and pins a conversation to
