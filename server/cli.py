@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import os
+import stat
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from mlx_nursery.actors.ranks import check_shardable
 
 from . import bench, clients, front, launch, replicas, top
 from .access import exposure_problem
+from .model_child import watch_parent
 from .pool import DEFAULT_KEEP_ALIVE, models_in, parse_duration, spec_name
 from .serve import exit_now, maybe_reexec_with_openblas, serve
 from .settings import API_KEY_ENV, Settings
@@ -186,6 +189,14 @@ def add_scale_flags(s: argparse.ArgumentParser) -> None:
         help="a replica already serving the same model elsewhere, routed to beside the "
         "local ones: another machine's `mlx-nursery serve --replica --api-key KEY`, KEY "
         "this server's own --api-key; repeatable",
+    )
+    s.add_argument(
+        "--replica-hostfile",
+        type=Path,
+        metavar="FILE",
+        help="also start one replica on each host of an mlx.launch hostfile, over ssh (this "
+        "Python's path there; it listens on its first IP at this server's --port + 1 + its "
+        "index), beside the local ones; --replicas 0 for those only",
     )
     s.add_argument(
         "--router-policy",
@@ -380,8 +391,13 @@ def serve_replicas(parser: argparse.ArgumentParser, argv: list[str], settings: S
     """`serve --replicas N`: the front on this address, the router and the
     replicas behind it (``server/front.py``, ``server/replicas.py``)."""
     count, urls = args.replicas, args.replica_url or []
-    if count < 0 or (count == 0 and not urls):
-        parser.error("--replicas: must be 1 or more (0 only beside --replica-url)")
+    try:
+        hosts = replicas.hostfile_hosts(args.replica_hostfile, settings.port)
+    except ValueError as exc:
+        parser.error(f"--replica-hostfile: {exc}")
+    if count < 0 or (count == 0 and not urls and not hosts):
+        parser.error("--replicas: must be 1 or more (0 only beside --replica-url or "
+                     "--replica-hostfile)")  # fmt: skip
     if ranks > 1:
         parser.error("--replicas: a replica set serves whole copies; --ranks shards one")
     if settings.models:
@@ -396,12 +412,22 @@ def serve_replicas(parser: argparse.ArgumentParser, argv: list[str], settings: S
     group = replicas.ReplicaSet.of(
         argv, count, urls, cache_dir=settings.engine.prompt_cache_dir,
         memory_budget=settings.memory_budget, policy=args.router_policy, key=settings.api_key,
+        hosts=hosts,
     )  # fmt: skip
     state = trio.run(lambda: front.serve_front(settings, group))
     if state.phase is ServerPhase.FAILED:
         print(f"mlx-nursery: {state.error}", file=sys.stderr)
         exit_now(1, "the replica set failed")
     exit_now(0, "shut down")
+
+
+def _piped_stdin() -> bool:
+    """Standard input is a pipe or socket (a parent process, or ssh, holds its other end)."""
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
 def checked_settings(parser: argparse.ArgumentParser,
@@ -449,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "serve":
         settings, ranks = checked_settings(parser, args)
-        if args.replicas != 1 or args.replica_url:
+        if args.replicas != 1 or args.replica_url or args.replica_hostfile:
             return serve_replicas(parser, argv, settings, args, ranks)
         if ranks > 1 and not launch.in_launch():
             try:
@@ -462,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         if ranks > 1:
             return serve_rank(settings, launch.init_group(ranks))
         maybe_reexec_with_openblas(argv)
+        if settings.replica and _piped_stdin():  # a set's replica: drains when the set goes
+            threading.Thread(target=watch_parent, name="set-watch", daemon=True).start()
         state = trio.run(lambda: serve(settings, handle_signals=True))
         if state.phase == "failed":
             print(f"mlx-nursery: {state.error}", file=sys.stderr)

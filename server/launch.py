@@ -33,9 +33,9 @@ def in_launch() -> bool:
     return "MLX_RANK" in os.environ
 
 
-def hostfile_ranks(hostfile: Path) -> int:
-    """How many ranks an mlx.launch hostfile names (one per host entry), read
-    by mlx's own parser."""
+def hostfile_hosts(hostfile: Path) -> list:
+    """The host entries of an mlx.launch hostfile (``ssh_hostname``, ``ips``),
+    read by mlx's own parser; a ValueError saying what is wrong with it."""
     from mlx._distributed_utils.common import Hostfile
 
     try:
@@ -44,7 +44,12 @@ def hostfile_ranks(hostfile: Path) -> int:
         raise ValueError(f"{hostfile} is not an mlx.launch hostfile: {exc}") from None
     if not hosts:
         raise ValueError(f"{hostfile} names no hosts")
-    return len(hosts)
+    return hosts
+
+
+def hostfile_ranks(hostfile: Path) -> int:
+    """How many ranks an mlx.launch hostfile names (one per host entry)."""
+    return len(hostfile_hosts(hostfile))
 
 
 def launch(argv: list[str], ranks: int, hostfile: Path | None) -> int:

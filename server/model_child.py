@@ -20,7 +20,7 @@ from .model_process import FAILED, LOG_LEVEL_ENV, NICE, READY_POLL
 from .serve import exit_now, serve
 
 
-def _watch_parent() -> None:
+def watch_parent() -> None:
     """End this process (as on SIGTERM) once the parent's end of stdin closes."""
     with contextlib.suppress(OSError):
         while sys.stdin.buffer.read(4096):
@@ -56,7 +56,7 @@ def main() -> None:
         level=int(os.environ.get(LOG_LEVEL_ENV, logging.WARNING)),
         format=f"%(asctime)s %(levelname)s %(name)s [{settings.model_name}]: %(message)s",
     )
-    threading.Thread(target=_watch_parent, name="parent-watch", daemon=True).start()
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
 
     async def run() -> Any:
         async with trio.open_nursery() as nursery:

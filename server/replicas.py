@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -43,7 +44,7 @@ import httpx
 import trio
 from mlx_nursery.actors.disk_cache import KV_DIR_ENV, kv_root
 
-from . import clients
+from . import clients, launch
 from .settings import API_KEY_ENV
 
 log = logging.getLogger("mlx_nursery.server")
@@ -62,6 +63,7 @@ SPILL_ABS, SPILL_REL = 2, 1.25
 SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session-id")
 HEALTH_EVERY = 0.5  # seconds between looks at each replica's /health
 RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0)  # seconds before a dead replica's nth restart
+SSH_ENV = "MLX_NURSERY_SSH"  # the ssh command for --replica-hostfile (default: ssh)
 STOP_GRACE = 30.0  # seconds a replica or the router gets to drain after SIGTERM
 READY_TIMEOUT = 600.0  # seconds the set waits for its first replica and the router
 # serve's flags the set sets for each replica itself (flag -> takes a value).
@@ -70,6 +72,7 @@ OWN_FLAGS = {
     "--api-key": True, "--no-api-key": False, "--allowed-origins": True,
     "--allowed-hosts": True, "--protect-stats": False, "--prompt-cache-dir": True,
     "--memory-budget": True, "--replica": False, "--router-policy": True,
+    "--replica-hostfile": True,
 }  # fmt: skip
 
 
@@ -103,6 +106,7 @@ class Replica:
     url: str
     argv: list[str] | None = None  # None: it runs elsewhere (--replica-url), watched only
     env: dict[str, str] = attrs.field(factory=dict)
+    host: str | None = None  # --replica-hostfile: the ssh host it is started on
     process: trio.Process | None = None
     status: str = "starting"  # starting, serving, down, stopped
     restarts: int = 0
@@ -117,7 +121,20 @@ class Replica:
     def figures(self) -> dict[str, Any]:
         pid = self.process.pid if self.process is not None else None
         return {"index": self.index, "url": self.url, "status": self.status, "pid": pid,
-                "local": self.local, "restarts": self.restarts}  # fmt: skip
+                "local": self.local, "host": self.host, "restarts": self.restarts}  # fmt: skip
+
+    def command(self) -> list[str]:
+        """How the set starts it: ``serve`` in this Python, here or (``host``)
+        over ssh with its key in the environment, in the same Python's path
+        there (as ``mlx.launch`` starts ranks)."""
+        assert self.argv is not None
+        serve = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", *self.argv]
+        if self.host is None:
+            return serve
+        env = [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+        ssh = shlex.split(os.environ.get(SSH_ENV) or "ssh")
+        return [*ssh, "-o", "BatchMode=yes", self.host, "env", *env,
+                *(shlex.quote(a) for a in serve)]  # fmt: skip
 
 
 @attrs.define(eq=False)
@@ -144,13 +161,14 @@ class ReplicaSet:
 
     @classmethod
     def of(cls, argv: Sequence[str], count: int, urls: Sequence[str], *, cache_dir: str | None,
-           memory_budget: Any, policy: str = ROUTER_POLICY,
-           key: str | None = None) -> ReplicaSet:  # fmt: skip
+           memory_budget: Any, policy: str = ROUTER_POLICY, key: str | None = None,
+           hosts: Sequence[tuple[str, str, int]] = ()) -> ReplicaSet:  # fmt: skip
         """``count`` local replicas of ``serve`` with the front's flags (``argv``,
         less the set's own), each with its own port, disk tier and a share of the
-        memory budget, and the replicas at ``urls`` (running elsewhere, started
+        memory budget; the replicas at ``urls`` (running elsewhere, started
         with ``--replica`` and ``key``: the front's own API key, where it has one;
-        else the set makes one its local replicas alone know)."""
+        else the set makes one); and one on each of ``hosts`` ((ssh host, address,
+        port), from ``--replica-hostfile``), which the set starts over ssh."""
         flags = serve_flags(argv)
         key = key or secrets.token_urlsafe(24)
         share = replica_budget(memory_budget, count)
@@ -176,6 +194,11 @@ class ReplicaSet:
             replicas.append(Replica(i, f"http://127.0.0.1:{port}", own, env))
         for url in urls:
             replicas.append(Replica(len(replicas), url.rstrip("/")))
+        for ssh, address, port in hosts:  # one replica a host, started over ssh
+            own = [*flags, "--host", "0.0.0.0", "--port", str(port), "--protect-stats",
+                   "--replica"]  # fmt: skip
+            replicas.append(Replica(len(replicas), f"http://{address}:{port}", own,
+                                    {API_KEY_ENV: key}, host=ssh))  # fmt: skip
         return cls(replicas, key, free_port(), free_port(), policy)
 
     @property
@@ -227,14 +250,17 @@ class ReplicaSet:
                     waiters.start_soon(wait)
 
     async def _keep(self, replica: Replica) -> None:
-        """Run a local replica; start it again whenever it dies."""
-        assert replica.argv is not None
-        command = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", *replica.argv]
+        """Run a replica the set starts (here, or over ssh); start it again
+        whenever it dies. Its standard input is a pipe from this process: when
+        it closes (the set stops, or this process is gone), the replica drains
+        and exits (``serve --replica``), over ssh too."""
+        command = replica.command()
         while not self.stopping:
             replica.status = "starting"
             replica.process = await trio.lowlevel.open_process(
-                command, env={**os.environ, **replica.env}, start_new_session=True
-            )
+                command, env={**os.environ, **replica.env}, start_new_session=True,
+                stdin=subprocess.PIPE,
+            )  # fmt: skip
             code = await replica.process.wait()
             if self.stopping:
                 break
@@ -323,8 +349,12 @@ class ReplicaSet:
         one that outlives ``STOP_GRACE`` is killed. Then the watchers end."""
         self.stopping = True
         processes = [p for p in [self.router, *(r.process for r in self.replicas)] if p]
+        for replica in self.replicas:  # a closed stdin is a replica's word to drain
+            if replica.process is not None and replica.process.stdin is not None:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await replica.process.stdin.aclose()
         for process in processes:
-            if process.returncode is None:
+            if process.returncode is None and process not in self._ssh():
                 with contextlib.suppress(ProcessLookupError):
                     process.send_signal(signal.SIGTERM)
         with trio.move_on_after(STOP_GRACE):
@@ -341,6 +371,11 @@ class ReplicaSet:
             self._nursery.cancel_scope.cancel()
 
 
+    def _ssh(self) -> list[trio.Process]:
+        """The ssh processes of replicas on other hosts: ended by their stdin."""
+        return [r.process for r in self.replicas if r.host is not None and r.process]
+
+
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     out: list[BaseException] = []
     for e in group.exceptions:
@@ -351,6 +386,15 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 def serve_flags(argv: Sequence[str]) -> list[str]:
     """``serve``'s flags as given, less those the set gives each replica itself."""
     return [a for a in clients.serve_flags(argv, OWN_FLAGS) if a != "serve"]
+
+
+def hostfile_hosts(hostfile: Path | None, port: int) -> list[tuple[str, str, int]]:
+    """(ssh host, address, port) for each host of an mlx.launch hostfile: its
+    first IP (else its ssh name), at ``port`` + 1 + its index."""
+    if hostfile is None:
+        return []
+    return [(h.ssh_hostname, (h.ips or [h.ssh_hostname])[0], port + 1 + i)
+            for i, h in enumerate(launch.hostfile_hosts(hostfile))]  # fmt: skip
 
 
 def replica_budget(budget: Any, count: int) -> str | None:

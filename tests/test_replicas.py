@@ -8,6 +8,7 @@ on the other, the killed one back), and SIGTERM ending the whole set."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -278,3 +279,81 @@ def test_setting_flags_that_default_to_none_take_text():
     engine = settings_from(args).engine
     assert (engine.prompt_cache_dir, engine.dtype, engine.chat_template) == (
         "/kv", "float32", "{{ x }}")
+
+
+SSHD = Path("/usr/sbin/sshd")
+
+
+def test_replicas_from_a_hostfile_start_over_ssh_restart_and_stop_with_the_set(tmp_path):
+    """``--replica-hostfile``: one replica a host, started over ssh (here a private
+    sshd on loopback, two host names for this machine), killed and started
+    again, and ended with the set (its closed stdin drains it)."""
+    if not SSHD.exists() or shutil.which("ssh") is None or os.geteuid() != 0:
+        pytest.skip("needs OpenSSH's server and client and root (make test installs "
+                    "openssh-server where it may)")  # fmt: skip
+    ssh_port, key = free_port(), tmp_path / "key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f",
+                    str(tmp_path / "host_key")], check=True)  # fmt: skip
+    (tmp_path / "authorized").write_text((tmp_path / "key.pub").read_text())
+    (tmp_path / "config").write_text(
+        f"Host host-a host-b\n  HostName 127.0.0.1\n  Port {ssh_port}\n  IdentityFile {key}\n"
+        "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n")
+    Path("/run/sshd").mkdir(exist_ok=True)
+    sshd = subprocess.Popen([str(SSHD), "-D", "-p", str(ssh_port), "-h", str(tmp_path / "host_key"),
+                             "-o", "ListenAddress=127.0.0.1", "-o", "StrictModes=no",
+                             "-o", f"AuthorizedKeysFile={tmp_path / 'authorized'}",
+                             "-o", "PermitRootLogin=prohibit-password"])  # fmt: skip
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text('{"hosts": [{"ssh": "host-a", "ips": ["127.0.0.1"]}, '
+                     '{"ssh": "host-b", "ips": ["127.0.0.1"]}]}')  # fmt: skip
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.update(MLX_NURSERY_OPENBLAS="0", MLX_NURSERY_SSH=f"ssh -F {tmp_path / 'config'}")
+    argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--port", str(port),
+            "--model", str(model_path("llama")), "--replicas", "0", "--replica-hostfile",
+            str(hosts)]  # fmt: skip
+    log = (tmp_path / "front.log").open("w")
+    front = subprocess.Popen(argv, env=env, stdout=log, stderr=log)
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    try:
+        health = _until(http, lambda h: [r["status"] for r in h["replicas"]] == ["serving"] * 2)
+        assert [r["host"] for r in health["replicas"]] == ["host-a", "host-b"]
+        assert [r["url"] for r in health["replicas"]] == [
+            f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+        r = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        served = subprocess.run(["pgrep", "-f", f"serve.*--port {port + 1}( |$)"],
+                                capture_output=True, text=True).stdout.split()  # fmt: skip
+        remote = [p for p in served  # the replica on host-a itself, not its ssh
+                  if Path(f"/proc/{p}/cmdline").read_bytes().startswith(sys.executable.encode())]
+        os.kill(int(remote[0]), signal.SIGKILL)
+        health = _until(http, lambda h: h["replicas"][0]["restarts"] >= 1
+                        and h["replicas"][0]["status"] == "serving")  # fmt: skip
+        front.send_signal(signal.SIGTERM)
+        assert front.wait(60) == 0
+        time.sleep(2)
+        left = subprocess.run(["pgrep", "-f", f"serve.*--port {port + 2}( |$)"],
+                              capture_output=True, text=True).stdout.split()  # fmt: skip
+        assert not left, "a replica outlived its set"
+    finally:
+        http.close()
+        if front.poll() is None:
+            front.kill()
+        sshd.terminate()
+        sshd.wait(10)
+        log.close()
+
+
+def _until(http: httpx.Client, ok, seconds: float = 60.0) -> dict:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            body = http.get("/health").json()
+            if body["status"] == "ok" and ok(body):
+                return body
+        except (httpx.TransportError, ValueError, KeyError, IndexError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the replica set did not get there in time")
