@@ -64,6 +64,18 @@ SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session-id")
 HEALTH_EVERY = 0.5  # seconds between looks at each replica's /health
 RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0)  # seconds before a dead replica's nth restart
 SSH_ENV = "MLX_NURSERY_SSH"  # the ssh command for --replica-hostfile (default: ssh)
+# The router runs under this guard: smg does not watch its parent, so a front
+# that was killed (SIGKILL: no stop) would leave it running. The guard ends it
+# when its own standard input closes (the front is gone) or on SIGTERM.
+GUARD = """import signal, subprocess, sys, threading
+router = subprocess.Popen(sys.argv[1:])
+signal.signal(signal.SIGTERM, lambda *_: router.terminate())
+def watch():
+    sys.stdin.buffer.read()
+    router.terminate()
+threading.Thread(target=watch, daemon=True).start()
+sys.exit(router.wait())
+"""
 STOP_GRACE = 30.0  # seconds a replica or the router gets to drain after SIGTERM
 READY_TIMEOUT = 600.0  # seconds the set waits for its first replica and the router
 # serve's flags the set sets for each replica itself (flag -> takes a value).
@@ -314,8 +326,10 @@ class ReplicaSet:
         ]  # fmt: skip
         if self.policy not in BASELINES:  # a conversation stays where its cache is
             command += ["--routing-key-override", "--routing-key-headers", *SESSION_HEADERS]
-        self.router = await trio.lowlevel.open_process(command, start_new_session=True,
-                                                       stdout=subprocess.DEVNULL)  # fmt: skip
+        self.router = await trio.lowlevel.open_process(
+            [sys.executable, "-c", GUARD, *command], start_new_session=True,
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
         nursery.start_soon(self._router_exit)
         while True:  # until it has registered the replicas it can reach
             try:

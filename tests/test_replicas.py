@@ -357,3 +357,41 @@ def _until(http: httpx.Client, ok, seconds: float = 60.0) -> dict:
             pass
         time.sleep(0.2)
     raise AssertionError("the replica set did not get there in time")
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process under ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def test_a_killed_front_leaves_no_replica_and_no_router(tmp_path):
+    """SIGKILL gives the front no stop: its replicas end when their piped stdin
+    closes, and the router under its guard the same way."""
+    rs = ReplicaSet(tmp_path)
+    try:
+        rs.wait_serving()
+        under = _descendants(rs.proc.pid)
+        assert len(under) >= 4, under  # two replicas, the router's guard and the router
+        rs.proc.kill()
+        rs.proc.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in under):
+            time.sleep(0.2)
+        assert not [p for p in under if Path(f"/proc/{p}").exists()], rs.said()
+    finally:
+        rs.http.close()
+        if rs.proc.poll() is None:
+            rs.proc.kill()
