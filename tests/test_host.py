@@ -174,3 +174,81 @@ async def test_a_warm_up_that_fails_leaves_the_engine_serving(monkeypatch, caplo
         result = await engine.generate("Hello there", max_tokens=4)
     assert len(result.tokens) == 4
     assert "warm-up failed, serving unwarmed: RuntimeError: no kernel" in caplog.text
+
+
+class NearTies:
+    """A model whose every last-position logit row is shifted to a top of 0 and
+    has the logit just before its top set to -1e-10: so close that mlx-lm's
+    logprobs (``logits - logsumexp``) round the two to one value and its argmax
+    takes the lower index, where the argmax of the logits takes the top. Counts
+    the rows where the rounding did that."""
+
+    def __init__(self, model) -> None:
+        self._model, self.ties = model, 0
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        import numpy as np
+
+        logits = self._model(inputs, cache=cache, **kwargs)
+        last = np.array(logits[:, -1, :].astype(mx.float32))
+        for row in last:
+            top = int(row.argmax())
+            row -= row[top]
+            if top > 0:
+                row[top - 1] = -1e-10
+                lse = np.float32(mx.logsumexp(mx.array(row)).item())
+                self.ties += int(row[top - 1] - lse == row[top] - lse)
+        last = mx.array(last).astype(logits.dtype)
+        return mx.concatenate([logits[:, :-1, :], last[:, None, :]], axis=1)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def _greedy_rows(model, tokenizer, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """The batch on greedy ``prompts`` (each joining the first), ``steps`` plain
+    steps: each row's tokens."""
+    batch = None
+    for ids in prompts:
+        job = Prefill(model, ids, SamplingParams(max_tokens=steps + 2), 32)
+        while job.remaining > 0:
+            job.chunk()
+        joiner = job.prime()
+        first = [s.token for s in joiner.read_first()]
+        if batch is None:
+            batch, out = joiner, [first]
+        else:
+            batch.join([joiner])
+            out.append(first)
+    for _ in range(steps):
+        for e, read in enumerate(batch.step()):
+            out[e] += [s.token for s in read.tokens]
+        assert (batch.next_near is not None) == batch.from_logits()
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_greedy_rows_take_the_logits_argmax_and_keep_mlx_lms_tokens(rows, monkeypatch):
+    """Greedy rows without logprobs take their tokens from the logits (the
+    logsumexp over the vocabulary left unevaluated); under near ties on every
+    step, where mlx-lm's logprobs round the top two logits to one value, each
+    such step is taken back and built again from mlx-lm's token: the tokens
+    are mlx-lm's ``generate_step``'s alone, and the batch's with the logprobs'
+    argmax throughout."""
+    from mlx_lm.generate import generate_step
+    from mlx_nursery.actors.step.batch import Batch
+
+    model, tokenizer = loaded("llama")
+    tied = NearTies(model)
+    ids = warmup.prompt(tokenizer, 24)
+    prompts = [ids[i:] + ids[:i] for i in range(rows)]
+    redone = []
+    redo = Batch.redo
+    monkeypatch.setattr(Batch, "redo", lambda self, *a: redone.append(a) or redo(self, *a))
+    fast = _greedy_rows(tied, tokenizer, prompts, 12)
+    assert tied.ties > 0 and redone
+    if rows == 1:
+        steps = generate_step(mx.array(prompts[0]), tied, max_tokens=len(fast[0]))
+        assert fast[0] == [int(t) for t, _ in steps]
+    monkeypatch.setattr(Batch, "from_logits", lambda self: False)
+    assert fast == _greedy_rows(tied, tokenizer, prompts, 12)

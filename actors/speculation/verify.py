@@ -232,9 +232,9 @@ class Verifier:
         token first where that was not known), whose guess is scored now. None
         when no slot drafts after all (a plain step follows)."""
         self._plain_at = None
-        mx.eval(batch.next_tokens, batch.next_logprobs)
+        pending = batch.resolve()
+        mx.eval(batch.next_logprobs)
         t0 = time.perf_counter()
-        pending = batch.next_tokens.tolist()
         offers = [
             self._offer(slot, token, proposal, width)
             for slot, token, proposal in zip(batch.slots, pending, offered, strict=True)

@@ -20,8 +20,9 @@ from typing import Any, Protocol
 
 import attrs
 import mlx.core as mx
+from mlx_lm.sample_utils import greedy_sampler
 
-from ..ranks import Mirrored, mirrored
+from ..ranks import Mirrored, SharedInputs, mirrored
 from .kv import (
     BATCHED,
     SOLO,
@@ -38,6 +39,16 @@ from .kv import (
 from .quantized import KvBits, arrays, first, planes, quantized_kind
 from .slots import LogprobReads, Read, Sampled, Slot, row_fault
 from .syncs import Phases, wait
+
+# A greedy token is mlx-lm's argmax of the logprobs, ``logits - logsumexp(logits)``.
+# Subtracting one number from every logit keeps their order, but two float32 logits
+# closer than a spacing at a logprob's magnitude (below 16: 2**-20) can round to
+# one logprob, and the argmax then takes the lower index. So a greedy step without
+# logprobs to read takes the argmax of the logits (the logsumexp over the vocabulary
+# is most of a small model's step), and checks for a logit before it within this
+# (four spacings) of the top; only there is the logprobs' argmax computed (see
+# ``Batch.plain``), and the tokens are mlx-lm's either way.
+NEAR = 2.0**-18
 
 
 class Verifying(Protocol):
@@ -100,6 +111,10 @@ class Batch:
     # Tokens sampled by the last step, fed by the next: lazily computing, one per slot.
     next_tokens: mx.array | None = None
     next_logprobs: list[mx.array] = attrs.field(factory=list)
+    # Where the last step took greedy tokens from the logits (``NEAR``): each row's
+    # first index within NEAR of its top logit; a row where it is not its token
+    # may differ from mlx-lm's. None: the pending tokens are sampled from logprobs.
+    next_near: mx.array | None = None
     # KV bytes copied so far by joins and leaves (merge, extend, filter, extract).
     copied: int = 0
     refilled: int = 0  # rows written over a retired slot so far
@@ -176,6 +191,7 @@ class Batch:
             (other,) = parts
             self.caches, self.batched = other.caches, other.batched
             self.next_tokens, self.next_logprobs = other.next_tokens, list(other.next_logprobs)
+            self.next_near = other.next_near
             self.slots = list(other.slots)
         else:
             layers = [side_by_side(c) for c in zip(*(p.caches for p in parts), strict=True)]
@@ -191,10 +207,14 @@ class Batch:
                 self.caches, self.batched = base, True
                 self.copied += merged + self.nbytes * len(rest)
             self.next_tokens = mx.concatenate([p.next_tokens for p in parts])
+            self.next_near = None
+            if any(p.next_near is not None for p in parts):  # an exact row's is its token
+                self.next_near = mx.concatenate([p.near for p in parts])
             self.next_logprobs = [lp for p in parts for lp in p.next_logprobs]
             self.slots = [s for p in parts for s in p.slots]
         for j in joiners:
             j.slots, j.caches, j.next_tokens, j.next_logprobs = [], None, None, []
+            j.next_near = None
         self._drafters()
 
     def _one_precision(self, joiners: Sequence[Batch]) -> None:
@@ -238,7 +258,7 @@ class Batch:
         """Write the joiner's rows over retired slots where their KV fits before
         the batch's write position; True when rows are left to join otherwise."""
         width = self.caches[0]._idx
-        pending = joiner.next_tokens.tolist()
+        pending = joiner.resolve()
         placed = []
         for i, slot in enumerate(joiner.slots):
             free = [d for d, s in enumerate(self.slots) if s.dead]
@@ -254,6 +274,8 @@ class Batch:
             if self.verifier is not None:  # the next step's time includes this write
                 self.verifier.unclocked()
             self.next_tokens[d] = pending[i]
+            if self.next_near is not None:
+                self.next_near[d] = pending[i]
             self.next_logprobs[d] = joiner.next_logprobs[i]
             placed.append(i)
         if not placed:
@@ -281,13 +303,17 @@ class Batch:
         """Rows at ``rows`` leave with their whole state, each as a one-row batch
         on solo caches (its KV, its slot, its pending token): what a primed
         joiner is, so it can join again and go on exactly where it stopped."""
-        kept = [(self.slots[i], self.next_tokens[i : i + 1], self.next_logprobs[i]) for i in rows]
+        near = self.near
+        kept = [(self.slots[i], self.next_tokens[i : i + 1], near[i : i + 1], self.next_logprobs[i])
+                for i in rows]  # fmt: skip
+        guarded = self.next_near is not None
         saved = self.retire(rows, rows)
         out = []
-        for caches, (slot, pending, logprobs) in zip(saved, kept, strict=True):
+        for caches, (slot, pending, close, logprobs) in zip(saved, kept, strict=True):
             slot.order = None  # taken out in token order
             alone = Batch(self.model, [slot], caches, batched=False, kv=self.kv)
             alone.next_tokens, alone.next_logprobs = pending, [logprobs]
+            alone.next_near = close if guarded else None
             out.append(alone)
         return out
 
@@ -317,13 +343,15 @@ class Batch:
         self.slots = [self.slots[i] for i in keep]
         if not keep:
             self.caches, self.batched = None, False
-            self.next_tokens, self.next_logprobs = None, []
+            self.next_tokens, self.next_logprobs, self.next_near = None, [], None
             return
         if self.batched:
             for c in self.caches:
                 c.filter(keep)
             self.copied += self.nbytes
         self.next_tokens = self.next_tokens[mx.array(keep)]
+        if self.next_near is not None:
+            self.next_near = self.next_near[mx.array(keep)]
         self.next_logprobs = [self.next_logprobs[i] for i in keep]
 
     def forked(self) -> list[Batch]:
@@ -348,16 +376,26 @@ class Batch:
         if self.reusable:
             make_room(self.caches, feed, [not s.dead for s in self.slots])
 
-    def forward(self) -> tuple[mx.array, list[Any]]:
+    def forward(self, greedy: bool = False) -> tuple[mx.array, list[Any]]:
         """Build step n+1 from the pending tokens; returns them and the processor contexts.
 
         The forward pass is shared: if it fails, the batch fails. Everything after
         it runs per row and is contained: a row whose processors or sampler raise
         gets a stand-in token (argmax of its raw logits, never read) and a
         ``fault``; the other rows' logits and samples are computed exactly as if
-        it were not there (rows never mix after the forward)."""
+        it were not there (rows never mix after the forward). ``greedy`` (see
+        :meth:`from_logits`): float32 logits give the tokens by their own argmax,
+        the logprobs left unevaluated unless read (``NEAR``)."""
         inputs = self.next_tokens
         logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
+        if greedy and logits.dtype == mx.float32:
+            self.next_logprobs = list(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            self.next_tokens = mx.argmax(logits, axis=-1)
+            top = mx.max(logits, axis=-1, keepdims=True)
+            self.next_near = mx.argmax(logits >= top - NEAR, axis=-1)
+            mx.async_eval(self.next_tokens, self.next_near)
+            return inputs, []
+        self.next_near = None
         if len(self.slots) > logits.shape[0]:  # forks of one prompt: one row's logits
             logits = mx.repeat(logits, len(self.slots), axis=0)
             inputs = mx.repeat(inputs, len(self.slots), axis=0)
@@ -374,6 +412,62 @@ class Batch:
         self.next_logprobs = list(logprobs)
         mx.async_eval(self.next_tokens, self.next_logprobs, contexts)
         return inputs, contexts
+
+    def from_logits(self) -> bool:
+        """Whether the next step may take its tokens from the logits (``NEAR``):
+        every live row greedy, with no processors and no logprobs to read, on
+        float KV that a step can be taken back out of (:meth:`redo`), on one rank."""
+        if self.kv is not None or isinstance(self.model, SharedInputs) or not self.caches:
+            return False
+        if not self.batched and len(self.slots) > 1:  # a prompt's forks
+            return False
+        kinds = BATCHED if self.batched else SOLO
+        return all(type(c) in kinds for c in self.caches) and all(
+            s.dead or (s.sampler is greedy_sampler and not s.processors and s.fault is None
+                       and not s.params.wants_logprobs)
+            for s in self.slots
+        )  # fmt: skip
+
+    @property
+    def near(self) -> mx.array:
+        """Each row's first index within NEAR of its top logit (an exact row's: its token)."""
+        return self.next_near if self.next_near is not None else self.next_tokens
+
+    def resolve(self) -> list[int]:
+        """The pending tokens, evaluated (a wait), as mlx-lm samples them: where
+        the last step took one from the logits under a near tie, the argmax of
+        its logprobs instead, written back."""
+        near, self.next_near = self.next_near, None
+        wait(self.next_tokens, *([] if near is None else [near]))
+        tokens = self.next_tokens.tolist()
+        if near is not None:
+            for e, token in self.exact(tokens, near.tolist(), self.next_logprobs).items():
+                self.next_tokens[e] = tokens[e] = token
+        return tokens
+
+    def exact(self, tokens: list[int], near: list[int],
+              logprobs: list[mx.array]) -> dict[int, int]:  # fmt: skip
+        """Where a step took ``tokens`` from the logits: mlx-lm's token for each
+        live row whose first near index is not its token and where it differs
+        (the argmax of its logprobs: a wait, on a rare step), by batch index."""
+        rows = [e for e, (t, n) in enumerate(zip(tokens, near, strict=True))
+                if t != n and not self.slots[e].dead]  # fmt: skip
+        if not rows:
+            return {}
+        argmax = mx.argmax(mx.stack([logprobs[e] for e in rows]), axis=-1)
+        wait(argmax)
+        return {e: t for e, t in zip(rows, argmax.tolist(), strict=True) if t != tokens[e]}
+
+    def redo(self, fixed: dict[int, int], tokens: list[int], inputs: mx.array) -> None:
+        """Step n fed ``tokens`` (``inputs``), of which those at ``fixed`` were not
+        mlx-lm's: take its position back out of every row's KV and build it again
+        from the right ones (``tokens`` corrected in place)."""
+        for e, token in fixed.items():
+            tokens[e] = token
+        for c in self.caches:
+            c.trim(1)
+        self.next_tokens = mx.array(tokens, dtype=inputs.dtype)
+        self.forward(self.from_logits())
 
     def processed(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[Any]]:
         """Each row's logits (one position, ``(rows, vocab)``) through its
@@ -448,7 +542,7 @@ class Batch:
         the step just started runs. Whatever the read needs is queued before that
         step, so the wait never waits for it too."""
         t0 = time.perf_counter()
-        current_lp = self.next_logprobs
+        current_lp, current_near = self.next_logprobs, self.next_near
         reads = LogprobReads.of(self.slots, self.next_tokens, current_lp)
         if reads is not None:
             mx.async_eval(reads.arrays)
@@ -456,12 +550,17 @@ class Batch:
         if self.verifier is not None:
             clock = self.verifier.plain_clock(self)
         self.make_room(1)
-        inputs, _ = self.forward()
+        inputs, _ = self.forward(self.from_logits())
         if clock is not None:
             self.verifier.plain_timed(self, clock)
         built = time.perf_counter()
-        waited = wait(inputs, current_lp, reads.arrays if reads is not None else [])
+        checked = [current_lp] if current_near is None else [current_near]
+        waited = wait(inputs, checked, reads.arrays if reads is not None else [])
         tokens = inputs.tolist()
+        if current_near is not None and (
+            fixed := self.exact(tokens, current_near.tolist(), current_lp)
+        ):
+            self.redo(fixed, tokens, inputs)
         read = reads.read() if reads is not None else {}
         out: list[Read | None] = []
         for e, (slot, token) in enumerate(zip(self.slots, tokens, strict=True)):
@@ -486,7 +585,7 @@ class Batch:
     def settle(self, tokens: mx.array, logprobs: list[mx.array]) -> None:
         """A verify step's outcome: each slot's next pending token and its
         logprobs (the token after the drafts it kept)."""
-        self.next_tokens, self.next_logprobs = tokens, logprobs
+        self.next_tokens, self.next_logprobs, self.next_near = tokens, logprobs, None
 
     def roll_back(self, kept: list[int | None], width: int, start: int, pads: list[int]) -> int:
         """Take the drafts each row did not keep (``width`` minus ``kept``) out of
