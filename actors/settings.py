@@ -300,11 +300,11 @@ class EngineSettings:
         "or off: mlx's matmul",
     )  # fmt: skip
     pipeline: int = setting(
-        1, validator=_at_least(0), parse=_depth, shown="on", converter=_steps,
-        help="how many decode steps the loop keeps queued on the GPU thread. on (1): the next "
-        "step is queued before the last one's tokens go out, so the event loop's turn "
-        "(emitting, stop checks, stats) runs beside it; 2: the thread goes from step to step "
-        "without waiting for the loop at all, and a row joins a step later than at 1 "
+        2, validator=_at_least(0), parse=_depth, shown="2", converter=_steps,
+        help="how many decode steps the loop keeps queued on the GPU thread. 2: the thread "
+        "goes from step to step without waiting for the loop at all, so the event loop's turn "
+        "(emitting, stop checks, SSE, stats) runs beside the steps; on (1): the next step is "
+        "queued before the last one's tokens go out, and a row joins a step sooner than at 2 "
         "(the batch-scenario goldens are played at 1). Rows that end ride the steps already "
         "queued, their tokens from them dropped and their KV cut back (docs/batching.md). "
         "off (0): one step at a time",

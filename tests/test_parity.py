@@ -83,7 +83,10 @@ async def _play(engine, prompts, rows):
 async def _play_scenarios(family: str, **options) -> list:
     """Every scripted batch scenario of the family's goldens, each in an engine of
     its own (``checked_engine`` with ``options``): each row's tokens, text and
-    finish reason are mlx-lm's. Returns each engine's stats when its rows ended."""
+    finish reason are mlx-lm's. Returns each engine's stats when its rows ended.
+    One step queued ahead (``--pipeline 1``): the goldens insert rows at given
+    steps, and at 2 a joiner enters a step later."""
+    options.setdefault("pipeline", 1)
     g = golden(family)
     stats = []
     for name, rows in g["batch"].items():

@@ -104,7 +104,8 @@ async def test_a_row_cancelled_at_step_k_leaves_and_frees_its_kv():
         before = engine.stats()
         assert before.decoding_rows == 3
         scopes["utf8"][0].cancel()
-        await engine.wait_step(engine.steps + 2)  # one step to see it, one to be sure
+        # one step to see it, one already queued when it was seen (--pipeline 2), one to be sure
+        await engine.wait_step(engine.steps + 3)
         await settle(engine)
         assert engine.stats().decoding_rows == 2
         # Its slot waits a few turns for a joiner to be written over it, then the
