@@ -33,10 +33,8 @@ from .settings import EngineSettings
 from .tools import (
     GENERIC,
     ToolFormat,
-    body_grammar,
-    call_grammar,
-    calls_or_answer_grammar,
     chosen,
+    constraint,
     loosen_tools,
     native_messages,
     native_tools,
@@ -120,43 +118,36 @@ class Intake:
         return project(self.info.kv_costs, tokens, self.settings.prefill_step_size)
 
     def _constrain(self, params: SamplingParams, thinking: bool = False) -> SamplingParams:
-        """A response format, or a required tool call, becomes a grammar mask of the
-        row's own (one matcher per request), after the caller's processors. With
-        tools under ``auto``, a format shapes the final message only: the answer is
-        calls or that message. A required call is constrained to the calls; the
-        format is for the final message of a later turn. Where the prompt opened a
-        think block, a required call's grammar closes it first."""
+        """The tools room's constraint for this request (``tools.constraint``)
+        becomes a mask of the row's own (one matcher per request), after the
+        caller's processors: a grammar over the answer, or over a call's body once
+        the model opens one. Where the prompt opened a think block, a required
+        call's grammar closes it first. A model without constrained decoding
+        refuses a required call or a format, and lets ``auto`` calls run free."""
         schema = schema_of(params.response_format) if params.response_format else None
-        calls = call_grammar(
-            params.tools, params.tool_choice, params.parallel_tool_calls, params.tool_format,
-            self.lit,
-        )  # fmt: skip
-        fmt = params.tool_format or GENERIC
-        either = schema is not None and params.tool_choice == "auto" and fmt.json and params.tools
-        if schema is None and calls is None:
-            return self._constrain_opened_calls(params)
-        param = "response_format" if schema is not None else "tool_choice"
+        closing = self.lit(self.info.think[1]) if thinking and self.info.think else None
+        plan = constraint(params, schema, self.lit, closing)
+        if plan is None:
+            return params
         if self.ll_tokenizer is None or self.info.vocab_size is None:
+            if plan.opened is not None:
+                return params
             raise InvalidRequest(
-                f"{param} needs constrained decoding, which this model's tokenizer does not "
-                "support",
-                param=param,
+                f"{plan.param} needs constrained decoding, which this model's tokenizer "
+                "does not support",
+                param=plan.param,
             )
-        if calls is not None:
-            closing = self.lit(self.info.think[1]) if thinking and self.info.think else None
-            grammar = self._compile_tools(
-                params.tools, lambda tools: after(closing, call_grammar(
-                    tools, params.tool_choice, params.parallel_tool_calls, fmt, self.lit))
-            )  # fmt: skip
-        elif either:
-            schema = loosened_schema(self.ll_tokenizer, schema)
-            grammar = self._compile_tools(
-                params.tools, lambda tools: calls_or_answer_grammar(
-                    tools, params.parallel_tool_calls, fmt, schema, self.lit)
-            )  # fmt: skip
+        schema = None if plan.schema is None else loosened_schema(self.ll_tokenizer, plan.schema)
+        if plan.lark is None:
+            grammar = compile_schema(self.ll_tokenizer, schema)
         else:
-            grammar = compile_schema(self.ll_tokenizer, loosened_schema(self.ll_tokenizer, schema))
-        mask = GrammarMask(self.ll_tokenizer, grammar, self.info.vocab_size)
+            grammar = self._compile_tools(plan.tools, lambda tools: plan.lark(tools, schema))
+        if plan.opened is not None:
+            mask = OpenedCallMask(
+                self.ll_tokenizer, self.tokenizer, grammar, plan.opened, self.info.vocab_size
+            )
+        else:
+            mask = GrammarMask(self.ll_tokenizer, grammar, self.info.vocab_size)
         return attrs.evolve(params, logits_processors=(*params.logits_processors, mask))
 
     def _compile_tools(self, tools: tuple, lark: Callable[[tuple], str]) -> str:
@@ -173,21 +164,6 @@ class Intake:
                     raise
                 tools = loosen_tools(tools, keys)
         return compile_lark(self.ll_tokenizer, lark(tools), "tools")
-
-    def _constrain_opened_calls(self, params: SamplingParams) -> SamplingParams:
-        """Under ``auto``, a call the model opens is constrained to the tools' schemas."""
-        if params.tool_choice != "auto" or self.ll_tokenizer is None or not self.info.vocab_size:
-            return params
-        fmt = params.tool_format
-        if body_grammar(params.tools, fmt) is None:
-            return params
-        grammar = self._compile_tools(
-            params.tools, lambda tools: body_grammar(tools, fmt, self.lit)
-        )
-        mask = OpenedCallMask(
-            self.ll_tokenizer, self.tokenizer, grammar, fmt.open, self.info.vocab_size
-        )
-        return attrs.evolve(params, logits_processors=(*params.logits_processors, mask))
 
     # -- the prompt ---------------------------------------------------------------
 
@@ -323,14 +299,6 @@ class Intake:
             f"+ max_tokens {params.max_tokens:,}); the KV budget is {budget:,} bytes: {hint}",
             param="max_tokens",
         )
-
-
-def after(closing: str | None, lark: str) -> str:
-    """``lark``'s answer after ``closing`` (a think block's end) and any blank space."""
-    if closing is None:
-        return lark
-    first, rest = lark.split("\n", 1)
-    return f"start: {closing} /[ \\n]*/ ({first.removeprefix('start:').strip()})\n{rest}"
 
 
 def merge_system(messages: list) -> list | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -251,6 +251,57 @@ def body_grammar(
     body, close = ('"\\n"? obj "\\n"?', lit(CLOSE)) if fmt.native else ("obj", json.dumps(CLOSE))
     schema = _calls_schema(tools, fmt)
     return f"start: {body} {close}\nobj: %json {json.dumps(schema)}\n"
+
+
+@attrs.frozen
+class Constraint:
+    """What a request's tools, tool choice and response format ask of the decoder,
+    worked out once (:func:`constraint`): a grammar over the whole answer, or
+    over a call's body once the model opens one (``opened``: the marker that
+    opens it). ``lark`` writes the grammar from the tools (the intake may drop
+    schema keywords its grammar engine cannot compile and ask again) and the
+    response format's schema as the engine reads it; None: the schema alone
+    is the grammar. ``param`` names what asked for it, for a refusal."""
+
+    param: str
+    tools: tuple = ()
+    schema: Mapping[str, Any] | None = None
+    lark: Callable[[tuple, Mapping[str, Any] | None], str] | None = None
+    opened: str | None = None
+
+
+def constraint(
+    params: Any, schema: Mapping[str, Any] | None, lit: Lit, closing: str | None = None
+) -> Constraint | None:
+    """The constraint a request's ``params`` ask for (tool choice settled, its
+    format chosen; ``schema``: its response format's), or None. A required or
+    named call is constrained to the calls (``closing`` first: the think block
+    the prompt opened); under ``auto`` with a format (Hermes' JSON body), the
+    answer is calls or the final message in the format; a format alone shapes
+    the answer; under ``auto`` without one, a call the model opens is held to
+    the tools' schemas."""
+    fmt = params.tool_format or GENERIC
+    tools, choice, parallel = params.tools, params.tool_choice, params.parallel_tool_calls
+    if choice not in ("auto", "none"):
+        return Constraint("tool_choice", tools, None, lambda ts, _: after(
+            closing, call_grammar(ts, choice, parallel, fmt, lit)))  # fmt: skip
+    if schema is not None and choice == "auto" and fmt.json and tools:
+        return Constraint("response_format", tools, schema,
+                          lambda ts, s: calls_or_answer_grammar(ts, parallel, fmt, s, lit))
+    if schema is not None:
+        return Constraint("response_format", (), schema)
+    if choice == "auto" and body_grammar(tools, fmt) is not None:
+        return Constraint("tool_choice", tools, None, lambda ts, _: body_grammar(ts, fmt, lit),
+                          opened=fmt.open)  # fmt: skip
+    return None
+
+
+def after(closing: str | None, lark: str) -> str:
+    """``lark``'s answer after ``closing`` (a think block's end) and any blank space."""
+    if closing is None:
+        return lark
+    first, rest = lark.split("\n", 1)
+    return f"start: {closing} /[ \\n]*/ ({first.removeprefix('start:').strip()})\n{rest}"
 
 
 def system_text(tools: Sequence[Mapping[str, Any]]) -> str:
