@@ -177,11 +177,11 @@ async def test_a_warm_up_that_fails_leaves_the_engine_serving(monkeypatch, caplo
 
 
 class NearTies:
-    """A model whose every last-position logit row is shifted to a top of 0 and
-    has the logit just before its top set to -1e-10: so close that mlx-lm's
-    logprobs (``logits - logsumexp``) round the two to one value and its argmax
-    takes the lower index, where the argmax of the logits takes the top. Counts
-    the rows where the rounding did that."""
+    """A model whose every logit row is shifted to a top of 0 and has the logit
+    just before its top set to -1e-10: so close that mlx-lm's logprobs
+    (``logits - logsumexp``) round the two to one value and its argmax takes the
+    lower index, where the argmax of the logits takes the top. Counts the rows
+    where the rounding did that."""
 
     def __init__(self, model) -> None:
         self._model, self.ties = model, 0
@@ -190,16 +190,15 @@ class NearTies:
         import numpy as np
 
         logits = self._model(inputs, cache=cache, **kwargs)
-        last = np.array(logits[:, -1, :].astype(mx.float32))
-        for row in last:
+        tied = np.array(logits.astype(mx.float32))
+        for row in tied.reshape(-1, tied.shape[-1]):
             top = int(row.argmax())
             row -= row[top]
             if top > 0:
                 row[top - 1] = -1e-10
                 lse = np.float32(mx.logsumexp(mx.array(row)).item())
                 self.ties += int(row[top - 1] - lse == row[top] - lse)
-        last = mx.array(last).astype(logits.dtype)
-        return mx.concatenate([logits[:, :-1, :], last[:, None, :]], axis=1)
+        return mx.array(tied).astype(logits.dtype)
 
     def __getattr__(self, name):
         return getattr(self._model, name)

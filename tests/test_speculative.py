@@ -221,6 +221,30 @@ async def test_lone_row_drafting_matches_stream_generate(family, forced_drafts):
     assert stats.tokens_per_forward > 1.0
 
 
+async def test_greedy_verify_steps_keep_mlx_lms_tokens_under_near_ties(forced_drafts, monkeypatch):
+    """A greedy verify step takes its tokens from the logits too (no logsumexp
+    over the vocabulary for every position), and where a near tie may change
+    one (a model made to put one at every position), mlx-lm's: the tokens are
+    ``generate_step``'s on the same model."""
+    from mlx_lm.generate import generate_step
+    from mlx_nursery.actors.speculation import verify
+    from test_host import NearTies
+
+    model, tokenizer = loaded("llama")
+    tied = NearTies(model)
+    fixed = []
+    ties = verify.ties
+    monkeypatch.setattr(verify, "ties", lambda *a: fixed.append(ties(*a)) or fixed[-1])
+    async with checked_engine((tied, tokenizer), batch=8) as engine:
+        for case in golden("llama")["serial"] * 2:
+            prompt = case["prompt_ids"]
+            want = [int(t) for t, _ in generate_step(mx.array(prompt), tied, max_tokens=24)]
+            result = await engine.generate(prompt, max_tokens=24)
+            assert result.tokens == want[: len(result.tokens)], case["prompt"]
+        assert engine.stats().verify_steps > 0
+    assert tied.ties > 0 and any(fixed)
+
+
 async def test_verify_steps_attend_folded_and_stay_exact(forced_drafts, monkeypatch):
     """A verify step's forward, and only it, takes the CPU attention's verify path
     (the query heads of each key head folded into one matmul), and its rows keep

@@ -23,7 +23,7 @@ import attrs
 import mlx.core as mx
 
 from ..kernels import cpu_attention, ragged
-from ..step.batch import Batch
+from ..step.batch import Batch, greedy, ties
 from ..step.calls import calls_begun
 from ..step.slots import Read, Sampled, SeededSampler, Slot
 from .drafters import Drafter, DraftModel, Matches, ModelDrafter, SharedIndex
@@ -250,10 +250,14 @@ class Verifier:
         inputs = mx.array([r + [0] * (width + 1 - len(r)) for r in rows], dtype=mx.uint32)
         with ragged.verify_step():
             logits = batch.model(inputs, cache=batch.caches)
-        logprobs, samples = self._sample_all(batch, inputs, logits)
+        logprobs, samples, near = self._sample_all(batch, inputs, logits)
         current_lp = batch.next_logprobs
-        mx.eval(samples, logprobs, current_lp)
-        drawn = samples.tolist()
+        if near is None:
+            mx.eval(samples, logprobs, current_lp)
+            drawn = samples.tolist()
+        else:
+            mx.eval(samples, near)
+            drawn = _exact(batch, samples.tolist(), near.tolist(), logprobs)
         out: list[Read | None] = []
         kept: list[int | None] = []
         for e, slot in enumerate(batch.slots):
@@ -321,10 +325,16 @@ class Verifier:
 
     def _sample_all(
         self, batch: Batch, inputs: mx.array, logits: mx.array
-    ) -> tuple[mx.array, mx.array]:
+    ) -> tuple[mx.array, mx.array, mx.array | None]:
         """The target's token at every position of a verify step, per row: its
         sampler over each position's logprobs, as in a plain step (a row with
-        processors drafts nothing, so they run on its first position only)."""
+        processors drafts nothing, so they run on its first position only); and
+        where the batch may take greedy tokens from the logits, as a plain step
+        does (``Batch.from_logits``), each one's near index (else None), the
+        logprobs then left unevaluated unless read."""
+        if batch.from_logits() and logits.dtype == mx.float32:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return logprobs, *greedy(logits)
         if any(s.processors for s in batch.slots):
             first, _ = batch.processed(logits[:, 0], inputs[:, 0])
             logits = mx.concatenate([first[:, None], logits[:, 1:]], axis=1)
@@ -332,4 +342,19 @@ class Verifier:
             logprobs = logits - cpu_attention.logsumexp(logits)
         else:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return logprobs, batch.sample(logprobs)  # samplers take any leading shape
+        return logprobs, batch.sample(logprobs), None  # samplers take any leading shape
+
+
+def _exact(batch: Batch, drawn: list[list[int]], near: list[list[int]],
+           logprobs: mx.array) -> list[list[int]]:  # fmt: skip
+    """A verify step's greedy tokens taken from the logits (``drawn``, a row a
+    slot, a position a column), each made mlx-lm's where a near tie may have
+    changed it (``step.batch.ties``; a retired slot's are never read)."""
+    width = len(drawn[0])
+    flat = [t for row in drawn for t in row]
+    close = [t if s.dead else n for s, row, nrow in zip(batch.slots, drawn, near, strict=True)
+             for t, n in zip(row, nrow, strict=True)]  # fmt: skip
+    stacked = lambda at: mx.stack([logprobs[i // width, i % width] for i in at])  # noqa: E731
+    for i, token in ties(flat, close, stacked).items():
+        drawn[i // width][i % width] = token
+    return drawn

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -49,6 +49,28 @@ from .syncs import Phases, wait
 # (four spacings) of the top; only there is the logprobs' argmax computed (see
 # ``Batch.plain``), and the tokens are mlx-lm's either way.
 NEAR = 2.0**-18
+
+
+def greedy(logits: mx.array) -> tuple[mx.array, mx.array]:
+    """Greedy tokens from float32 ``logits`` (any leading shape): each one's
+    argmax, and its first index within NEAR of the top (where that is not the
+    token, mlx-lm's may differ: :func:`ties`)."""
+    top = mx.max(logits, axis=-1, keepdims=True)
+    return mx.argmax(logits, axis=-1), mx.argmax(logits >= top - NEAR, axis=-1)
+
+
+def ties(tokens: list[int], near: list[int],
+         logprobs: Callable[[list[int]], mx.array]) -> dict[int, int]:  # fmt: skip
+    """Of ``tokens`` taken from the logits (:func:`greedy`), mlx-lm's where it
+    differs, by index: at each index whose near index is not its token, the
+    argmax of its logprobs (``logprobs(indices)``: theirs, stacked; a wait, on
+    a rare step)."""
+    at = [i for i, (t, n) in enumerate(zip(tokens, near, strict=True)) if t != n]
+    if not at:
+        return {}
+    argmax = mx.argmax(logprobs(at), axis=-1)
+    wait(argmax)
+    return {i: t for i, t in zip(at, argmax.tolist(), strict=True) if t != tokens[i]}
 
 
 class Verifying(Protocol):
@@ -376,23 +398,21 @@ class Batch:
         if self.reusable:
             make_room(self.caches, feed, [not s.dead for s in self.slots])
 
-    def forward(self, greedy: bool = False) -> tuple[mx.array, list[Any]]:
+    def forward(self, from_logits: bool = False) -> tuple[mx.array, list[Any]]:
         """Build step n+1 from the pending tokens; returns them and the processor contexts.
 
         The forward pass is shared: if it fails, the batch fails. Everything after
         it runs per row and is contained: a row whose processors or sampler raise
         gets a stand-in token (argmax of its raw logits, never read) and a
         ``fault``; the other rows' logits and samples are computed exactly as if
-        it were not there (rows never mix after the forward). ``greedy`` (see
-        :meth:`from_logits`): float32 logits give the tokens by their own argmax,
+        it were not there (rows never mix after the forward). ``from_logits``
+        (see the method): float32 logits give the tokens by their own argmax,
         the logprobs left unevaluated unless read (``NEAR``)."""
         inputs = self.next_tokens
         logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
-        if greedy and logits.dtype == mx.float32:
+        if from_logits and logits.dtype == mx.float32:
             self.next_logprobs = list(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-            self.next_tokens = mx.argmax(logits, axis=-1)
-            top = mx.max(logits, axis=-1, keepdims=True)
-            self.next_near = mx.argmax(logits >= top - NEAR, axis=-1)
+            self.next_tokens, self.next_near = greedy(logits)
             mx.async_eval(self.next_tokens, self.next_near)
             return inputs, []
         self.next_near = None
@@ -450,13 +470,8 @@ class Batch:
         """Where a step took ``tokens`` from the logits: mlx-lm's token for each
         live row whose first near index is not its token and where it differs
         (the argmax of its logprobs: a wait, on a rare step), by batch index."""
-        rows = [e for e, (t, n) in enumerate(zip(tokens, near, strict=True))
-                if t != n and not self.slots[e].dead]  # fmt: skip
-        if not rows:
-            return {}
-        argmax = mx.argmax(mx.stack([logprobs[e] for e in rows]), axis=-1)
-        wait(argmax)
-        return {e: t for e, t in zip(rows, argmax.tolist(), strict=True) if t != tokens[e]}
+        near = [t if s.dead else n for s, t, n in zip(self.slots, tokens, near, strict=True)]
+        return ties(tokens, near, lambda rows: mx.stack([logprobs[e] for e in rows]))
 
     def redo(self, fixed: dict[int, int], tokens: list[int], inputs: mx.array) -> None:
         """Step n fed ``tokens`` (``inputs``), of which those at ``fixed`` were not
