@@ -21,6 +21,7 @@ import sys
 
 import httpx
 import pytest
+import trio
 from agent_loops import (
     FAN_OUT,
     FILE_TOOLS,
@@ -121,12 +122,17 @@ async def test_claude_code_through_replicas_keeps_its_sub_agents_with_it(tmp_pat
     async with recorded_server("--model", model, "--trust-remote-code", "--replicas", "2",
                                "--prompt-cache-dir", str(tmp_path / "kv")) as rec:  # fmt: skip
         loop = await run_client(*claude(tmp_path / "home", rec.port, FAN_OUT), work)
+        sent = posts(rec.exchanges(), "/v1/messages")
         async with httpx.AsyncClient() as client:
-            stats = (await client.get(f"http://127.0.0.1:{rec.port}/stats")).json()
+            # The front reads each replica's /stats every 0.5 s: wait for the last finish.
+            for _ in range(20):
+                stats = (await client.get(f"http://127.0.0.1:{rec.port}/stats")).json()
+                if sum(r["stats"].get("finished", 0) for r in stats["replicas"]) >= len(sent):
+                    break
+                await trio.sleep(0.25)
     exchanges = rec.exchanges()
     assert_all_2xx(exchanges, loop)
     assert (work / "notes.txt").read_text() == "status: reviewed\n"
-    sent = posts(exchanges, "/v1/messages")
     (session,) = {e.headers["x-claude-code-session-id"] for e in sent}
     holders = [r["index"] for r in stats["replicas"]
                if any(x.get("session") == session for x in r["stats"]["recent_requests"])]
