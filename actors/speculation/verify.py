@@ -233,7 +233,8 @@ class Verifier:
         when no slot drafts after all (a plain step follows)."""
         self._plain_at = None
         pending = batch.resolve()
-        mx.eval(batch.next_logprobs)
+        if not batch.from_logits():  # else no row reads them: left unevaluated
+            mx.eval(batch.next_logprobs)
         t0 = time.perf_counter()
         offers = [
             self._offer(slot, token, proposal, width)
