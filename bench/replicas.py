@@ -214,7 +214,7 @@ def kill_figures(out: dict) -> dict:
     }
 
 
-def markdown(model: str, aware: dict, rr: dict, killed: dict) -> str:
+def markdown(model: str, sticky: dict, aware: dict, rr: dict, killed: dict) -> str:
     k = kill_figures(killed)
 
     def spread(o: dict) -> str:
@@ -231,14 +231,15 @@ def markdown(model: str, aware: dict, rr: dict, killed: dict) -> str:
         f"{TURNS}-turn chat over one shared ~2k-token system prompt plus its own "
         f"history (`x-session-id` a agent), {MAX_TOKENS} tokens a turn, greedy; each run a "
         f"fresh set on fresh disk tiers, alone on this 2-core VM; the system prompt is "
-        f"{aware['first_tokens']} tokens with the template and the first message, each turn "
+        f"{sticky['first_tokens']} tokens with the template and the first message, each turn "
         f"adds ~{round(3.6 * RESULT_WORDS)} tokens of the agent's own and its answer; OpenBLAS "
         "in the replicas (serve's default on Linux), float32. `bench/replicas.py`.",
         "",
         "| router | turns 2-4 cached, least | mean | turns under 90% | requests on replica 0 / 1 "
         "| errors | wall |",
         "| --- | --- | --- | --- | --- | --- | --- |",
-        row("prefix-aware + sticky sessions (default)", aware),
+        row("sticky: each agent's conversation kept on one replica (default)", sticky),
+        row("prefix-aware (`cache_aware`), same replicas", aware),
         row("round-robin, same replicas", rr),
         row("default, replica 0 killed after every first turn", killed),
         "",
@@ -247,7 +248,8 @@ def markdown(model: str, aware: dict, rr: dict, killed: dict) -> str:
         f"{k['slowest_failure']:.2f} s after the kill; each agent sent its turn again); every "
         f"request in flight ended within {k['slowest_in_flight']:.2f} s; the load finished on "
         f"the other replica; replica 0 was serving again {k['back']:.1f} s after the kill. "
-        f"The set's exit code on SIGTERM: {aware['exit']}, {rr['exit']}, {killed['exit']}.",
+        "The set's exit code on SIGTERM: "
+        + ", ".join(str(o["exit"]) for o in (sticky, aware, rr, killed)) + ".",
     ])
 
 
@@ -257,10 +259,11 @@ def main() -> int:
     parser.add_argument("--section", default="replicas")
     args = parser.parse_args()
     model = args.model or str(bench_llama())
+    sticky = run(model, "sticky", kill=False)
     aware = run(model, "cache_aware", kill=False)
     rr = run(model, "round_robin", kill=False)
-    killed = run(model, "cache_aware", kill=True)
-    body = markdown("bench-llama-30m (31M parameters)", aware, rr, killed)
+    killed = run(model, "sticky", kill=True)
+    body = markdown("bench-llama-30m (31M parameters)", sticky, aware, rr, killed)
     print(body)
     _write_section(args.section, body)
     return 0

@@ -202,9 +202,10 @@ def add_scale_flags(s: argparse.ArgumentParser) -> None:
         "--router-policy",
         choices=replicas.POLICIES,
         default=replicas.ROUTER_POLICY,
-        help="how the router places a replica set's requests: by the prompts it sent each "
-        "replica (cache_aware), or by load alone; round_robin and random are baselines "
-        "that ignore prompts and sessions (default: %(default)s)",
+        help="how the router places a replica set's requests: each conversation kept on "
+        "one replica, a new one on the least loaded (sticky); by the prompts it sent each "
+        "replica (cache_aware); or by load alone; round_robin and random are baselines "
+        "(default: %(default)s)",
     )
 
 

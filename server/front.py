@@ -13,6 +13,7 @@ so a client reads a clear error, never a silent end. ``/health``,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -40,7 +41,7 @@ from .app import (
     error_response,
 )
 from .pool import Pool
-from .replicas import ReplicaSet
+from .replicas import ROUTING_KEY, SESSION_HEADERS, ReplicaSet
 from .request_log import RequestLog
 from .routes import body_json, json_response
 from .serve import arm_exit_deadline, hosted, until_any
@@ -62,6 +63,7 @@ ENDS = {
 ROUTER_ERROR = b'data: {"type":"error","error":'
 RETRIES = 4  # tries of a request the router could not place (RETRY_WAIT, 2x, 3x apart)
 RETRY_WAIT = 0.5  # seconds
+OPENING = 1024  # characters of a bare prompt that name its conversation (routing_key)
 TAIL = 64  # bytes of a stream kept to find an end marker split across chunks
 # /stats figures summed over the replicas
 TOTALS = ("submitted", "finished", "errored", "cancelled", "rejected", "prompt_tokens",
@@ -161,6 +163,7 @@ class FrontRoutes:
         path, content = request.path, dumps(body)
         if base == self.set.router_url:  # through the router: tunnelled (app.Tunnel)
             path, content = TUNNEL_ROUTE, dumps(tunnel_body(request.path, body, headers))
+            headers[ROUTING_KEY] = routing_key(body, headers)  # what sticky pins
         client = self.set.client
         for attempt in range(1, RETRIES + 1):
             outgoing = client.build_request(
@@ -169,6 +172,13 @@ class FrontRoutes:
             )  # fmt: skip
             try:
                 upstream = await client.send(outgoing, stream=True)
+            except httpx.ConnectError as exc:  # the router is being started again
+                if attempt == RETRIES:
+                    raise ApiError(503, f"the router did not answer: {exc}",
+                                   type="service_unavailable",
+                                   code="replica_unavailable") from None  # fmt: skip
+                await trio.sleep(RETRY_WAIT * attempt)
+                continue
             except httpx.TransportError as exc:
                 raise ApiError(503, f"no replica answered: {exc}", type="service_unavailable",
                                code="replica_unavailable") from None  # fmt: skip
@@ -230,6 +240,7 @@ class FrontRoutes:
         return json_response({
             "model": self.state.pool.default.name, "replicas": replicas, "totals": totals,
             "router": {"policy": self.set.policy, "url": self.set.router_url,
+                       "restarts": self.set.router_restarts,
                        "workers": await self.set.router_workers()},
             "refusals": self.state.requests.refusal_figures(),
         })  # fmt: skip
@@ -308,6 +319,31 @@ async def _relay(upstream: httpx.Response, path: str) -> AsyncIterator[bytes]:
         why = lost or "it ended before the answer did"
         yield cut_frame(path, f"the replica serving this request was lost ({why}); retry "
                               "the request")  # fmt: skip
+
+
+def routing_key(body: dict[str, Any], headers: dict[str, str]) -> str:
+    """The conversation a request belongs to, which the router keeps on one
+    replica: the session its client names (a header of ``SESSION_HEADERS``:
+    Claude Code's sub-agents share its id, so its whole tree stays together),
+    else its ``prompt_cache_key`` (OpenAI's field for this), else a hash of how
+    it opens: system prompt, tools and the turns up to the first user turn,
+    which every later turn of the conversation repeats (a bare prompt: its
+    first ``OPENING`` characters)."""
+    named = {k.lower(): v for k, v in headers.items()}
+    for name in SESSION_HEADERS:
+        if named.get(name):
+            return "session:" + named[name][:200]
+    if isinstance(body.get("prompt_cache_key"), str) and body["prompt_cache_key"]:
+        return "key:" + body["prompt_cache_key"][:200]
+    turns = next((body[k] for k in ("messages", "input", "prompt") if k in body), None)
+    if isinstance(turns, list):
+        first = next((i for i, t in enumerate(turns)
+                      if isinstance(t, dict) and t.get("role") == "user"), 0)  # fmt: skip
+        turns = turns[: first + 1]
+    elif isinstance(turns, str):
+        turns = turns[:OPENING]
+    head = [body.get(k) for k in ("model", "system", "instructions", "tools")]
+    return "opening:" + hashlib.sha256(dumps([*head, turns]).encode()).hexdigest()[:32]
 
 
 def tunnel_body(path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:

@@ -22,8 +22,8 @@ from .serve import exit_now, serve
 
 def watch_parent() -> None:
     """End this process (as on SIGTERM) once the parent's end of stdin closes."""
-    with contextlib.suppress(OSError):
-        while sys.stdin.buffer.read(4096):
+    with contextlib.suppress(OSError):  # the descriptor, not sys.stdin's buffer: a
+        while os.read(0, 4096):  # daemon thread in its lock aborts the interpreter's exit
             pass
     os.kill(os.getpid(), signal.SIGTERM)
 

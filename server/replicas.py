@@ -11,12 +11,12 @@ Three kinds of process, all on loopback but the front (and remote replicas):
   its port (``RESTART_BACKOFF``); one given by ``--replica-url`` runs elsewhere
   and is only watched.
 - **The router**: SGLang's Model Gateway (``smg``, pinned in the project's
-  dependencies), a Rust binary that keeps an approximate radix tree of the
-  prompts it sent each worker (``cache_aware``) and pins a conversation to
-  its worker by the session headers clients send (``--routing-key-override``
-  over ``SESSION_HEADERS``), spilling to the least loaded one when a worker is
-  far busier than the rest. It probes the replicas' ``/health`` every second
-  and routes around one that fails.
+  dependencies), a Rust binary. By default (``sticky``) it pins each
+  conversation to one replica by the key the front gives every request
+  (``front.routing_key``: the session its client names, else a hash of how
+  the conversation opens), and places a new conversation on the replica with
+  the fewest requests in flight (its ``manual`` policy). It probes the
+  replicas' ``/health`` every second and routes around one that fails.
 - **The front** (``front.py``): our own server on the user's address: the
   host check, CORS and API key of a single server, a model name resolved as a
   single server resolves it, each generation request passed to the router and
@@ -49,32 +49,42 @@ from .settings import API_KEY_ENV
 
 log = logging.getLogger("mlx_nursery.server")
 
-ROUTER_POLICY = "cache_aware"
-# The router's policies --router-policy offers; the last two are baselines that
-# ignore prompts and sessions alike (sticky sessions are off under them).
-POLICIES = ("cache_aware", "power_of_two", "least_load", "round_robin", "random")
+# How the router places requests (--router-policy). ``sticky`` (the default) is
+# smg's ``manual`` policy over the key the front sets on every request
+# (ROUTING_KEY): a conversation stays on the replica it was first placed on, a
+# new one goes to the replica with the fewest requests in flight. smg 1.13's
+# --routing-key-override does not pin anything under ``cache_aware`` on the
+# HTTP route the front uses (measured: one key's requests, sent one at a time,
+# land on both replicas), so cache_aware and the rest place by prefix or load
+# alone; the last two are baselines that ignore prompts and conversations.
+ROUTER_POLICY = "sticky"
+POLICIES = ("sticky", "cache_aware", "power_of_two", "least_load", "round_robin", "random")
 BASELINES = ("round_robin", "random")
-# The spill gate: a worker the prefix (or session) chose is passed over for the
-# least loaded one when it has SPILL_ABS more requests in flight than the mean and
-# SPILL_REL times it (smg's defaults, 64 and 1.5, are sized for GPU fleets: eight
-# agents would all queue on the replica that holds their shared system prompt).
+ROUTING_KEY = "x-smg-routing-key"  # the header smg's manual policy pins by
+# cache_aware's spill gate: a worker the prefix chose is passed over for the least
+# loaded one when it has SPILL_ABS more requests in flight than the least loaded
+# and SPILL_REL times it (smg's defaults, 64 and 1.5, are sized for GPU fleets).
 SPILL_ABS, SPILL_REL = 2, 1.25
 # Headers a conversation is named by: ours, Claude Code's, Codex's (in that order).
 SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session-id")
 HEALTH_EVERY = 0.5  # seconds between looks at each replica's /health
 RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0)  # seconds before a dead replica's nth restart
+ROUTER_ENDS, ROUTER_WINDOW = 3, 60.0  # a router that ends this often ends the set
 SSH_ENV = "MLX_NURSERY_SSH"  # the ssh command for --replica-hostfile (default: ssh)
 # The router runs under this guard: smg does not watch its parent, so a front
 # that was killed (SIGKILL: no stop) would leave it running. The guard ends it
-# when its own standard input closes (the front is gone) or on SIGTERM.
-GUARD = """import signal, subprocess, sys, threading
+# when its own standard input closes (the front is gone) or on SIGTERM, and exits
+# with the router's code (128 + N for signal N).
+GUARD = """import os, signal, subprocess, sys, threading
 router = subprocess.Popen(sys.argv[1:])
 signal.signal(signal.SIGTERM, lambda *_: router.terminate())
 def watch():
-    sys.stdin.buffer.read()
+    while os.read(0, 4096):
+        pass
     router.terminate()
 threading.Thread(target=watch, daemon=True).start()
-sys.exit(router.wait())
+code = router.wait()
+os._exit(128 - code if code < 0 else code)
 """
 STOP_GRACE = 30.0  # seconds a replica or the router gets to drain after SIGTERM
 READY_TIMEOUT = 600.0  # seconds the set waits for its first replica and the router
@@ -102,6 +112,14 @@ def router_command() -> list[str]:
             "install step installs: run `make install` (or pip install 'smg==1.13.0')"
         ) from None
     return [sys.executable, "-m", "smg"]
+
+
+def router_policy(policy: str) -> list[str]:
+    """smg's flags for one of POLICIES."""
+    if policy == "sticky":  # pinned by ROUTING_KEY; a new key to the least loaded
+        return ["--policy", "manual", "--assignment-mode", "min_load"]
+    return ["--policy", policy, "--balance-abs-threshold", str(SPILL_ABS),
+            "--balance-rel-threshold", str(SPILL_REL)]  # fmt: skip
 
 
 def free_port() -> int:
@@ -160,6 +178,7 @@ class ReplicaSet:
     metrics_port: int
     policy: str = ROUTER_POLICY
     router: trio.Process | None = None
+    router_restarts: int = 0
     client: httpx.AsyncClient = attrs.field(init=False)
     stopping: bool = False
     _nursery: trio.Nursery | None = None
@@ -310,11 +329,15 @@ class ReplicaSet:
             await trio.sleep(HEALTH_EVERY)
 
     async def _start_router(self, nursery: trio.Nursery) -> None:
+        await self._launch_router()
+        nursery.start_soon(self._keep_router)
+
+    async def _launch_router(self) -> None:
+        """The router, on its port, until it has registered the replicas it can reach."""
         command = [
             *router_command(), "launch", "--host", "127.0.0.1", "--port", str(self.router_port),
             "--worker-urls", *(r.url for r in self.replicas),
-            "--policy", self.policy,
-            "--balance-abs-threshold", str(SPILL_ABS), "--balance-rel-threshold", str(SPILL_REL),
+            *router_policy(self.policy),
             "--api-key", self.key,  # what it sends the replicas
             "--control-plane-api-keys", f"front:mlx-nursery:admin:{self.key}",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
@@ -324,13 +347,10 @@ class ReplicaSet:
             "--cb-failure-threshold", "1", "--cb-timeout-duration-secs", "2",
             "--shutdown-grace-period-secs", "5", "--log-level", "error",
         ]  # fmt: skip
-        if self.policy not in BASELINES:  # a conversation stays where its cache is
-            command += ["--routing-key-override", "--routing-key-headers", *SESSION_HEADERS]
         self.router = await trio.lowlevel.open_process(
             [sys.executable, "-c", GUARD, *command], start_new_session=True,
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        nursery.start_soon(self._router_exit)
         while True:  # until it has registered the replicas it can reach
             try:
                 r = await self.client.get(f"{self.router_url}/workers", timeout=2.0)
@@ -343,11 +363,25 @@ class ReplicaSet:
                                    "before it served")  # fmt: skip
             await trio.sleep(0.2)
 
-    async def _router_exit(self) -> None:
+    async def _keep_router(self) -> None:
+        """The router, started again on its port when it ends under the set (the
+        replicas keep what they run; its map of conversations goes with it, so
+        each is placed afresh); one that ends ROUTER_ENDS times within
+        ROUTER_WINDOW seconds ends the set with its code."""
         assert self.router is not None
-        code = await self.router.wait()
-        if not self.stopping:
-            raise RuntimeError(f"the router (smg) ended with code {code}")
+        ends: list[float] = []
+        while True:
+            code = await self.router.wait()
+            if self.stopping:
+                return
+            now = trio.current_time()
+            ends = [t for t in ends if now - t < ROUTER_WINDOW] + [now]
+            if len(ends) >= ROUTER_ENDS:
+                raise RuntimeError(f"the router (smg) ended with code {code}, "
+                                   f"{len(ends)} times in {ROUTER_WINDOW:.0f} s")  # fmt: skip
+            log.error("the router (smg) ended with code %s; starting it again", code)
+            self.router_restarts += 1
+            await self._launch_router()
 
     async def router_workers(self) -> list[dict[str, Any]]:
         """The router's own view of its workers (health, load), for /stats."""

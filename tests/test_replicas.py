@@ -87,7 +87,7 @@ def test_health_models_and_stats_show_every_replica(replica_set):
     models = replica_set.http.get("/v1/models").json()
     assert len(models["data"]) == 1 and len(models["replicas"]) == 2
     stats = replica_set.stats()
-    assert stats["router"]["policy"] == "cache_aware"
+    assert stats["router"]["policy"] == "sticky"
     assert {w["url"] for w in stats["router"]["workers"]} == {r["url"] for r in stats["replicas"]}
     metrics = replica_set.http.get("/metrics").text
     assert 'replica="0"' in metrics and 'replica="1"' in metrics
@@ -205,6 +205,26 @@ def test_a_replica_killed_under_a_stream(replica_set, api):
     assert health["replicas"][victim]["restarts"] >= 1
 
 
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_a_router_that_dies_is_started_again(replica_set):
+    """The router aborts (SIGABRT) under the set: it is started again on its port,
+    the next request is answered, and no replica stopped."""
+    pids = [r["pid"] for r in replica_set.stats()["replicas"]]
+    (router,) = [g for c in _children(replica_set.proc.pid) for g in _children(c)
+                 if Path(f"/proc/{g}/comm").read_text().strip() == "smg::router"]  # fmt: skip
+    os.kill(router, signal.SIGABRT)
+    after = replica_set.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 3})
+    assert after.status_code == 200, after.text
+    assert replica_set.stats()["router"]["restarts"] == 1
+    assert [r["pid"] for r in replica_set.stats()["replicas"]] == pids
+    assert "the router (smg) ended with code 134; starting it again" in replica_set.said()
+
+
 def test_sigterm_stops_the_whole_set(replica_set):
     pids = [r["pid"] for r in replica_set.stats()["replicas"]]
     replica_set.proc.send_signal(signal.SIGTERM)
@@ -245,6 +265,25 @@ def test_the_tunnel_carries_the_request_whole_and_routes_on_its_prompt():
                          "content": "b"}]}, {})  # fmt: skip
     text, more = carried["messages"][0]["content"], longer["messages"][0]["content"]
     assert more.startswith(text.rstrip("]"))  # the next turn extends this one's text
+
+
+def test_a_conversation_keeps_its_routing_key_from_turn_to_turn():
+    """What the sticky router pins by: the session a client names, else OpenAI's
+    prompt_cache_key, else how the conversation opens (every later turn repeats it)."""
+    from mlx_nursery.server.front import routing_key
+
+    turn1 = {"model": "m", "messages": [{"role": "system", "content": "sys"},
+                                        {"role": "user", "content": "a"}]}  # fmt: skip
+    turn3 = {**turn1, "messages": [*turn1["messages"], {"role": "assistant", "content": "x"},
+                                   {"role": "user", "content": "b"}]}  # fmt: skip
+    other = {**turn1, "messages": [turn1["messages"][0], {"role": "user", "content": "c"}]}
+    assert routing_key(turn1, {}) == routing_key(turn3, {}) != routing_key(other, {})
+    # a named session (Claude Code's sub-agents share its id) wins over the opening
+    tree = {"X-Claude-Code-Session-Id": "s1"}
+    assert routing_key(turn1, tree) == routing_key(other, tree) == "session:s1"
+    assert routing_key({**other, "prompt_cache_key": "k"}, {}) == "key:k"
+    text = {"model": "m", "prompt": "p" * 2000}
+    assert routing_key(text, {}) == routing_key({**text, "prompt": text["prompt"] + "more"}, {})
 
 
 def test_metrics_merge_into_one_family_each_labelled_by_replica():
