@@ -63,6 +63,8 @@ ENDS = {
 ROUTER_ERROR = b'data: {"type":"error","error":'
 RETRIES = 4  # tries of a request the router could not place (RETRY_WAIT, 2x, 3x apart)
 RETRY_WAIT = 0.5  # seconds
+ROUTED = "x-smg-routed-worker-id"  # the router's word of the replica it chose
+PLACEMENTS = 65536  # conversations whose replica the front remembers (the newest)
 OPENING = 1024  # characters of a bare prompt that name its conversation (routing_key)
 TAIL = 64  # bytes of a stream kept to find an end marker split across chunks
 # /stats figures summed over the replicas
@@ -84,6 +86,31 @@ def cut_frame(path: str, message: str) -> bytes:
 
 
 @attrs.define(eq=False)
+class Placements:
+    """Where the router placed each conversation (its key, ``routing_key``), as
+    its answer's ``ROUTED`` header says. A conversation whose replica has gone
+    down is sent under a new key (``key#n``): the router places it on a live
+    replica and keeps it there. Under the old key it would return to its old
+    replica once that serves again (smg keeps both), to a cache that died with
+    the process."""
+
+    placed: dict[str, tuple[str | None, int]] = attrs.field(factory=dict)  # key: (url, moves)
+
+    def key(self, key: str, serving: set[str]) -> str:
+        url, moves = self.placed.get(key, (None, 0))
+        if url is not None and url not in serving:
+            moves += 1
+            self.placed[key] = (None, moves)
+        return f"{key}#{moves}" if moves else key
+
+    def went(self, key: str, url: str | None) -> None:
+        _, moves = self.placed.pop(key, (None, 0))
+        self.placed[key] = (url, moves)  # the newest last
+        while len(self.placed) > PLACEMENTS:
+            del self.placed[next(iter(self.placed))]
+
+
+@attrs.define(eq=False)
 class FrontState:
     """What the front's routes read: its settings, the set, the model names."""
 
@@ -94,6 +121,8 @@ class FrontState:
     failed: trio.Event = attrs.field(factory=trio.Event)
     requests: RequestLog = attrs.field(factory=RequestLog)  # refusals here, in memory
     pool: Pool = attrs.field(init=False)  # names only: nothing is loaded here
+
+    keys: Placements = attrs.field(factory=lambda: Placements())  # where conversations went
 
     def __attrs_post_init__(self) -> None:
         self.pool = pool_of(self.settings)
@@ -160,10 +189,12 @@ class FrontRoutes:
         body = dict(object_body(await body_json(self.state.settings.body_timeout)))
         body["model"] = self.state.pool.resolve(model_of(body)).name
         headers = model_process.forward_headers(request.headers)
-        path, content = request.path, dumps(body)
+        path, content, key = request.path, dumps(body), ""
         if base == self.set.router_url:  # through the router: tunnelled (app.Tunnel)
             path, content = TUNNEL_ROUTE, dumps(tunnel_body(request.path, body, headers))
-            headers[ROUTING_KEY] = routing_key(body, headers)  # what sticky pins
+            key = routing_key(body, headers)  # what sticky pins
+            serving = {r.url for r in self.set.healthy()}
+            headers[ROUTING_KEY] = self.state.keys.key(key, serving)
         client = self.set.client
         for attempt in range(1, RETRIES + 1):
             outgoing = client.build_request(
@@ -185,6 +216,8 @@ class FrontRoutes:
             # A 5xx is the router's own (a replica's errors come in band): no replica
             # took the request, as when the one it chose has just died. Again, shortly.
             if upstream.status_code < 500 or attempt == RETRIES:
+                if base == self.set.router_url:
+                    self.state.keys.went(key, upstream.headers.get(ROUTED))
                 break
             await upstream.aclose()
             await trio.sleep(RETRY_WAIT * attempt)
@@ -192,7 +225,7 @@ class FrontRoutes:
                 "content-type", "").startswith("text/event-stream"):  # fmt: skip
             return await _whole(upstream)
         response = Response(_relay(upstream, request.path), status=upstream.status_code,
-                            headers=model_process.back_headers(upstream.headers))  # fmt: skip
+                            headers=_back(upstream))  # fmt: skip
         response.timeout = None
         return response
 
@@ -291,7 +324,14 @@ async def _whole(upstream: httpx.Response) -> Response:
             response.headers["Retry-After"] = error["retry_after"]
         return response
     return Response(data, status=upstream.status_code,
-                    headers=model_process.back_headers(upstream.headers))  # fmt: skip
+                    headers=_back(upstream))  # fmt: skip
+
+
+def _back(upstream: httpx.Response) -> list[tuple[str, str]]:
+    """The answer's headers for the client: the replica's, less the router's own
+    word of which replica it was (a loopback URL, of no use past the front)."""
+    return [(k, v) for k, v in model_process.back_headers(upstream.headers)
+            if k.lower() != ROUTED]  # fmt: skip
 
 
 async def _relay(upstream: httpx.Response, path: str) -> AsyncIterator[bytes]:

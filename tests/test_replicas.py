@@ -286,6 +286,20 @@ def test_a_conversation_keeps_its_routing_key_from_turn_to_turn():
     assert routing_key(text, {}) == routing_key({**text, "prompt": text["prompt"] + "more"}, {})
 
 
+def test_a_conversation_whose_replica_died_moves_for_good():
+    """Its key changes once its replica is down, so the router places it on a live
+    one and keeps it there, not back on the restarted replica's empty cache."""
+    from mlx_nursery.server.front import Placements
+
+    keys = Placements()
+    assert keys.key("k", {"a", "b"}) == "k"
+    keys.went("k", "a")
+    assert keys.key("k", {"a", "b"}) == "k"
+    assert keys.key("k", {"b"}) == "k#1"  # a is down
+    keys.went("k", "b")
+    assert keys.key("k", {"a", "b"}) == "k#1"  # a is back: k stays on b
+
+
 def test_metrics_merge_into_one_family_each_labelled_by_replica():
     from mlx_nursery.server.front import merge_metrics
 
