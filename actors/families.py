@@ -66,7 +66,7 @@ def json_object_at(text: str, at: int = 0) -> tuple[str, dict, int]:
     return text[start:end], value, end
 
 
-# -- parsers ------------------------------------------------------------------
+# -- what the parsers share ----------------------------------------------------
 
 
 def _mlx_lm(module: str) -> Callable[[str, Sequence], Parsed]:
@@ -116,24 +116,6 @@ def _whole_json(text: str) -> str:
     if text[end:].strip():
         raise ValueError("text after the arguments")
     return args
-
-
-def _kimi_name(head: str) -> str:
-    match = re.fullmatch(r"\s*(?:functions\.)?(.+?):\d+\s*", head)
-    if match is None:
-        raise ValueError("not a Kimi call id")
-    return match.group(1)
-
-
-def _parse_mistral(body: str, tools: Sequence) -> Parsed:
-    """``NAME[ARGS]{...}`` (Devstral, Mistral Small 3.2), or the older list
-    ``[{"name": .., "arguments": {..}}]``."""
-    if body.lstrip().startswith("["):
-        return _parse_objects(body, "arguments", separators="[],")
-    match = re.match(r"\s*([\w.-]+)\s*\[ARGS\]", body)
-    if match is None:
-        raise ValueError("not a Mistral call")
-    return [(match.group(1), _whole_json(body[match.end() :]))]
 
 
 def _objects(text: str, key: str, separators: str) -> Any:
@@ -204,45 +186,13 @@ def _xml_value(text: str, name: str, key: str, tools: Sequence) -> Any:
         return text
 
 
-_GLM = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
-_MINIMAX_INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>', re.S)
-_MINIMAX_PARAM = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>', re.S)
-
-
 def _xml_pairs(text: str, pattern: re.Pattern, name: str, tools: Sequence) -> dict:
     """Key-value pairs that are all of ``text`` (but blank space)."""
     return {m.group(1): _xml_value(m.group(2), name, m.group(1), tools)
             for m in _covering(pattern, text)}  # fmt: skip
 
 
-def _parse_glm(body: str, tools: Sequence) -> Parsed:
-    """``NAME`` then ``<arg_key>K</arg_key><arg_value>V</arg_value>`` pairs (with
-    newlines between them in GLM-4.5/4.6, none in 4.7)."""
-    name, _, rest = body.partition("<arg_key>")
-    name = name.strip()
-    if not name or "<" in name:
-        raise ValueError("not a GLM call")
-    return [(name, _xml_pairs("<arg_key>" + rest if rest else "", _GLM, name, tools))]
-
-
-def _parse_minimax(body: str, tools: Sequence) -> Parsed:
-    """``<invoke name="N"><parameter name="K">V</parameter>...</invoke>``, one or more."""
-    found = [(m.group(1), _xml_pairs(m.group(2), _MINIMAX_PARAM, m.group(1), tools))
-             for m in _covering(_MINIMAX_INVOKE, body)]  # fmt: skip
-    if not found:
-        raise ValueError("not a MiniMax block")
-    return found
-
-
-def _parse_hermes(body: str, tools: Sequence) -> Parsed:
-    return _parse_objects(body, "arguments", separators="")
-
-
-def _parse_llama3(body: str, tools: Sequence) -> Parsed:
-    return _parse_objects(body, "parameters")
-
-
-# -- grammars -----------------------------------------------------------------
+# -- what the grammars share ---------------------------------------------------
 
 Lit = Callable[[str], str]  # a marker as a lark terminal: its special token, or its text
 
@@ -300,6 +250,52 @@ def _xml_param(head: str, schema: Mapping, closing: str) -> str:
     return f"{head} {raw}" if raw else f"{head} {_json(schema)} {_quoted(closing)}"
 
 
+def _call_object(tool: Mapping, key: str) -> dict:
+    """One call as a JSON object: ``{"name": N, key: {its arguments}}``."""
+    return {"type": "object", "properties": {"name": {"const": _name(tool)}, key: _params(tool)},
+            "required": ["name", key], "additionalProperties": False}  # fmt: skip
+
+
+def _name(tool: Mapping) -> str:
+    return tool["function"]["name"]
+
+
+def _rules(calls: Sequence[str], parallel: bool, joiner: str = "") -> str:
+    more = f"({joiner} call)*" if parallel else ""
+    return f"start: call {more}\ncall: {' | '.join(f'({c})' for c in calls)}\n"
+
+
+def _section(opening: str, calls: Sequence[str], closing: str, parallel: bool) -> str:
+    """Calls inside one block between ``opening`` and ``closing`` markers."""
+    more = "+" if parallel else ""
+    return (f"start: {opening} (call){more} {closing}\n"
+            f"call: {' | '.join(f'({c})' for c in calls)}\n")  # fmt: skip
+
+
+# -- each family's parser and grammar: Hermes ----------------------------------
+
+
+def _parse_hermes(body: str, tools: Sequence) -> Parsed:
+    return _parse_objects(body, "arguments", separators="")
+
+
+def hermes_schema(tools: Sequence) -> dict:
+    """One Hermes call ``{"name", "arguments"}`` to any of ``tools``."""
+    one = [_call_object(t, "arguments") for t in tools]
+    return one[0] if len(one) == 1 else {"anyOf": one}
+
+
+def _hermes(tools: Sequence, parallel: bool, lit: Lit) -> str:
+    """A newline on each side of the JSON, as the template writes them (either
+    may be left out)."""
+    more = "+" if parallel else ""
+    call = f'{lit("<tool_call>")} "\\n"? obj "\\n"? {lit("</tool_call>")}'
+    return f"start: call{more}\ncall: {call}\nobj: {_json(hermes_schema(tools))}\n"
+
+
+# -- Qwen3-Coder (mlx-lm's parser) ---------------------------------------------
+
+
 def _qwen3_coder(tools: Sequence, parallel: bool, lit: Lit) -> str:
     def param(key: str, schema: Mapping) -> str:
         return _xml_param(_quoted(f"<parameter={key}>\n"), schema, "\n</parameter>\n")
@@ -312,6 +308,21 @@ def _qwen3_coder(tools: Sequence, parallel: bool, lit: Lit) -> str:
     return _rules([call(t) for t in tools], parallel, joiner='"\\n"')
 
 
+# -- GLM -----------------------------------------------------------------------
+
+_GLM = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _parse_glm(body: str, tools: Sequence) -> Parsed:
+    """``NAME`` then ``<arg_key>K</arg_key><arg_value>V</arg_value>`` pairs (with
+    newlines between them in GLM-4.5/4.6, none in 4.7)."""
+    name, _, rest = body.partition("<arg_key>")
+    name = name.strip()
+    if not name or "<" in name:
+        raise ValueError("not a GLM call")
+    return [(name, _xml_pairs("<arg_key>" + rest if rest else "", _GLM, name, tools))]
+
+
 def _glm(tools: Sequence, parallel: bool, lit: Lit) -> str:
     def param(key: str, schema: Mapping) -> str:
         head = f'{lit("<arg_key>")} {_quoted(key)} {lit("</arg_key>")} "\\n" {lit("<arg_value>")}'
@@ -320,6 +331,22 @@ def _glm(tools: Sequence, parallel: bool, lit: Lit) -> str:
     calls = [f'{lit("<tool_call>")} {_quoted(_name(t) + chr(10))} {_xml_params(t, param)} '
              f'{lit("</tool_call>")}' for t in tools]  # fmt: skip
     return _rules(calls, parallel, joiner='"\\n"')
+
+
+# -- MiniMax -------------------------------------------------------------------
+
+_MINIMAX_INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>', re.S)
+
+_MINIMAX_PARAM = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>', re.S)
+
+
+def _parse_minimax(body: str, tools: Sequence) -> Parsed:
+    """``<invoke name="N"><parameter name="K">V</parameter>...</invoke>``, one or more."""
+    found = [(m.group(1), _xml_pairs(m.group(2), _MINIMAX_PARAM, m.group(1), tools))
+             for m in _covering(_MINIMAX_INVOKE, body)]  # fmt: skip
+    if not found:
+        raise ValueError("not a MiniMax block")
+    return found
 
 
 def _minimax(tools: Sequence, parallel: bool, lit: Lit) -> str:
@@ -337,6 +364,16 @@ def _minimax(tools: Sequence, parallel: bool, lit: Lit) -> str:
                     parallel)  # fmt: skip
 
 
+# -- Kimi ----------------------------------------------------------------------
+
+
+def _kimi_name(head: str) -> str:
+    match = re.fullmatch(r"\s*(?:functions\.)?(.+?):\d+\s*", head)
+    if match is None:
+        raise ValueError("not a Kimi call id")
+    return match.group(1)
+
+
 def _kimi(tools: Sequence, parallel: bool, lit: Lit) -> str:
     calls = [f"{lit('<|tool_call_begin|>')} {_quoted(f'functions.{_name(t)}:')} "
              f"{_regex('[0-9]{1,2}')} {lit('<|tool_call_argument_begin|>')} {_json(_params(t))} "
@@ -345,10 +382,27 @@ def _kimi(tools: Sequence, parallel: bool, lit: Lit) -> str:
                     parallel)  # fmt: skip
 
 
+# -- DeepSeek ------------------------------------------------------------------
+
+
 def _deepseek(tools: Sequence, parallel: bool, lit: Lit) -> str:
     calls = [f"{lit('<｜tool▁call▁begin｜>')} {_quoted(_name(t))} {lit('<｜tool▁sep｜>')} "
              f"{_json(_params(t))} {lit('<｜tool▁call▁end｜>')}" for t in tools]  # fmt: skip
     return _section(lit("<｜tool▁calls▁begin｜>"), calls, lit("<｜tool▁calls▁end｜>"), parallel)
+
+
+# -- Mistral -------------------------------------------------------------------
+
+
+def _parse_mistral(body: str, tools: Sequence) -> Parsed:
+    """``NAME[ARGS]{...}`` (Devstral, Mistral Small 3.2), or the older list
+    ``[{"name": .., "arguments": {..}}]``."""
+    if body.lstrip().startswith("["):
+        return _parse_objects(body, "arguments", separators="[],")
+    match = re.match(r"\s*([\w.-]+)\s*\[ARGS\]", body)
+    if match is None:
+        raise ValueError("not a Mistral call")
+    return [(match.group(1), _whole_json(body[match.end() :]))]
 
 
 def _mistral(tools: Sequence, parallel: bool, lit: Lit) -> str:
@@ -357,29 +411,19 @@ def _mistral(tools: Sequence, parallel: bool, lit: Lit) -> str:
     return _rules(calls, parallel)
 
 
-def _call_object(tool: Mapping, key: str) -> dict:
-    """One call as a JSON object: ``{"name": N, key: {its arguments}}``."""
-    return {"type": "object", "properties": {"name": {"const": _name(tool)}, key: _params(tool)},
-            "required": ["name", key], "additionalProperties": False}  # fmt: skip
+# -- Llama 3 -------------------------------------------------------------------
 
 
-def hermes_schema(tools: Sequence) -> dict:
-    """One Hermes call ``{"name", "arguments"}`` to any of ``tools``."""
-    one = [_call_object(t, "arguments") for t in tools]
-    return one[0] if len(one) == 1 else {"anyOf": one}
-
-
-def _hermes(tools: Sequence, parallel: bool, lit: Lit) -> str:
-    """A newline on each side of the JSON, as the template writes them (either
-    may be left out)."""
-    more = "+" if parallel else ""
-    call = f'{lit("<tool_call>")} "\\n"? obj "\\n"? {lit("</tool_call>")}'
-    return f"start: call{more}\ncall: {call}\nobj: {_json(hermes_schema(tools))}\n"
+def _parse_llama3(body: str, tools: Sequence) -> Parsed:
+    return _parse_objects(body, "parameters")
 
 
 def _llama3(tools: Sequence, parallel: bool, lit: Lit) -> str:
     return _rules([_json(_call_object(t, "parameters")) for t in tools], parallel,
                   joiner='"; "')  # fmt: skip
+
+
+# -- Harmony's calls (its messages: HarmonySplitter, below) --------------------
 
 
 def _harmony(tools: Sequence, parallel: bool, lit: Lit) -> str:
@@ -389,22 +433,6 @@ def _harmony(tools: Sequence, parallel: bool, lit: Lit) -> str:
              f'"commentary json" {lit("<|message|>")} {_json(_params(t))} {lit("<|call|>")}'
              for t in tools]  # fmt: skip
     return _rules(calls, False)
-
-
-def _name(tool: Mapping) -> str:
-    return tool["function"]["name"]
-
-
-def _rules(calls: Sequence[str], parallel: bool, joiner: str = "") -> str:
-    more = f"({joiner} call)*" if parallel else ""
-    return f"start: call {more}\ncall: {' | '.join(f'({c})' for c in calls)}\n"
-
-
-def _section(opening: str, calls: Sequence[str], closing: str, parallel: bool) -> str:
-    """Calls inside one block between ``opening`` and ``closing`` markers."""
-    more = "+" if parallel else ""
-    return (f"start: {opening} (call){more} {closing}\n"
-            f"call: {' | '.join(f'({c})' for c in calls)}\n")  # fmt: skip
 
 
 # -- the families -------------------------------------------------------------
