@@ -19,8 +19,8 @@ under ``<root>/<model>/<dtype>/``. What is ours, and why:
 The index is the event loop's (one owner, the prompt-cache actor); file work
 runs on worker threads, and the only mlx work (freezing an entry before a write,
 loading one) runs on the GPU thread. Writes never wait on the GPU thread: the
-actor queues them and one writer task drains the queue (``disk_writer.py``),
-writing a long entry ``WRITE_DELAY`` seconds after its put unless the
+disk tier (``disk_tier.Disk``) queues them and one writer task drains the queue
+(``disk_writer.py``), writing a long entry ``WRITE_DELAY`` seconds after its put unless the
 conversation's next turn supersedes it first (a flush, at shutdown, writes
 everything queued at once).
 """

@@ -17,12 +17,12 @@ with mlx-lm's eviction preference). What is ours is the take:
 Every mlx touch (clone, trim, byte counts) runs on the GPU thread, called from
 this actor's own task only, so the store has one owner.
 
-With a disk tier (``disk_cache.py``), a take that memory serves less well than a
-file on disk loads the file instead; long entries are written soon after their
-put (unless the conversation's next turn supersedes them first) and others when
-memory evicts them, by one writer task (``disk_writer.DiskWriter``), so no write
-waits on the GPU thread or blocks the loop. Each agent session's latest entry is
-pinned while the session is active (see ``PIN_SECONDS``).
+Memory (:class:`MemoryTier`) and, with one, the disk (``disk_tier.Disk``) are
+asked one way (``disk_tier``: ``nearest``, an offer's ``load``, ``keep``): a take
+is served by the tier that serves the most of the prompt, memory on a tie. What
+goes to disk and when is the disk's own policy, not this actor's. What spans
+the tiers stays here: each agent session's latest entry is pinned while the
+session is active (see ``PIN_SECONDS``), and the budget's ceiling.
 """
 
 from __future__ import annotations
@@ -45,15 +45,14 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from . import disk_cache
-from .disk_cache import BadFile, DiskEntry, DiskTier, as_tokens, shared_length
-from .disk_writer import DiskWriter
+from .disk_cache import DiskTier, shared_length
+from .disk_tier import Disk, Offer, ready
 from .errors import RanksLost
 from .gpu import Gpu
 from .messages import PUT_MIN_PROMPT, EntryKind, Hit, Pin, Put, Take, Trim
 from .ranks import Mirrored, mirrored
 from .request import CacheReason, CacheReport, CacheTier
-from .stats import Count, Gauge, Metric, Observe, Stats
+from .stats import Count, Gauge, Metric, Stats
 from .step.kv import clone
 
 log = logging.getLogger("mlx_nursery.engine")
@@ -244,16 +243,52 @@ class Store(LRUPromptCache):
 
 
 @attrs.define(eq=False)
+class MemoryTier:
+    """Memory as the actor asks a tier (``disk_tier``): the store, touched on
+    the GPU thread only. Its search and its take are one call: an offer from
+    memory comes with its caches already cloned."""
+
+    store: Store
+    gpu: Gpu
+    stats: Stats
+
+    async def nearest(self, tokens: list[int]) -> Offer:
+        hit = await self.gpu.call(self.store.take, tokens)
+        return Offer(hit.cached, CacheTier.MEMORY, ready(hit.caches), hit.report)
+
+    async def keep(self, put: Put, ceiling: int, pinned: Mapping) -> list[Put]:
+        """Store ``put``, within ``ceiling`` bytes; what that evicted."""
+        with contextlib.suppress(RanksLost):
+            await self.gpu.call(self.store.put, put.tokens, put.caches, put.kind, ceiling, pinned)
+        return self._evicted()
+
+    async def trim(self, ceiling: int, pinned: Mapping) -> list[Put]:
+        """Evict down to ``ceiling`` bytes; what that evicted."""
+        with contextlib.suppress(RanksLost):
+            await self.gpu.call(self.store.trim_bytes, ceiling, pinned)
+        return self._evicted()
+
+    def _evicted(self) -> list[Put]:
+        """Count what the store evicted; those with KV kept for a tier below."""
+        store = self.store
+        if store.evictions:
+            self.stats.post(Count(Metric.PROMPT_CACHE_EVICTIONS, store.evictions))
+            store.evictions = 0
+        spilled, store.spilled = store.spilled, []
+        return spilled
+
+
+@attrs.define(eq=False)
 class PromptCacheActor:
     gpu: Gpu
     stats: Stats
     inbox: trio.MemoryReceiveChannel
     max_entries: int = 10
     max_bytes: int = 1 << 62
-    disk: DiskTier | None = None  # the disk tier, or None
-    _store: Store = attrs.field(init=False)
+    disk: DiskTier | None = None  # the disk tier's files, or None
+    _memory: MemoryTier = attrs.field(init=False)
+    _disk: Disk | None = attrs.field(default=None, init=False)  # asked as memory is
     _ceiling: int = attrs.field(init=False)  # the budget's share, lowered by Trim
-    _writer: DiskWriter | None = attrs.field(default=None, init=False)  # with a disk tier
     # Each pin's (a session's, by class) latest entry and when it was last seen (a
     # put or a take): pinned while seen within PIN_SECONDS.
     _pins: dict[Pin, tuple[tuple[int, ...], float]] = attrs.field(factory=dict, init=False)
@@ -261,27 +296,29 @@ class PromptCacheActor:
     _moved: trio.Event = attrs.field(factory=trio.Event, init=False)  # set after each
 
     def __attrs_post_init__(self) -> None:
-        self._store = Store(max_size=self.max_entries, max_bytes=self.max_bytes)
-        self._store.spill = self.disk is not None
+        store = Store(max_size=self.max_entries, max_bytes=self.max_bytes)
+        store.spill = self.disk is not None
+        self._memory = MemoryTier(store, self.gpu, self.stats)
         self._ceiling = self.max_bytes
         if self.disk is not None:
-            self._writer = DiskWriter(self.disk, self.gpu, self.stats, self._written)
+            self._disk = Disk(self.disk, self.gpu, self.stats, self._step)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with self.inbox:
             async with trio.open_nursery() as nursery:
-                if self._writer is not None:
-                    nursery.start_soon(self._writer.run)
-                self._post_disk()
+                if self._disk is not None:
+                    nursery.start_soon(self._disk.run)
+                    self._disk.figures()
                 task_status.started()
                 async for message in self.inbox:
                     self._handling = True
                     await self.dispatch(message)
                     self._handling = False
                     self._step()
+                    store = self._memory.store
                     self.stats.post(
-                        Gauge(Metric.PROMPT_CACHE_ENTRIES, len(self._store)),
-                        Gauge(Metric.PROMPT_CACHE_BYTES, self._store.nbytes),
+                        Gauge(Metric.PROMPT_CACHE_ENTRIES, len(store)),
+                        Gauge(Metric.PROMPT_CACHE_BYTES, store.nbytes),
                         Gauge(Metric.PROMPT_CACHE_CEILING, min(self._ceiling, self.max_bytes)),
                     )
                 await self.flush()
@@ -302,20 +339,17 @@ class PromptCacheActor:
                 # The asker may be gone (cancelled): then the clone just drops.
                 with reply, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
                     reply.send_nowait(hit)
-            case Put(tokens, caches, kind, session):
+            case Put(tokens, _, _, session):
                 self._seen(session, tokens)
-                with contextlib.suppress(RanksLost):
-                    await self.gpu.call(
-                        self._store.put, tokens, caches, kind, self._ceiling, self._pinned()
-                    )
-                if self._writer is not None and len(tokens) >= disk_cache.LONG_PREFIX:
-                    self._writer.queue(tokens, caches, kind, disk_cache.WRITE_DELAY)
-                self._spilled()
+                evicted = await self._memory.keep(message, self._ceiling, self._pinned())
+                if self._disk is not None:
+                    self._disk.keep(message)
+                    self._disk.evicted(evicted)
             case Trim(max_bytes):
                 self._ceiling = min(self.max_bytes, max(0, max_bytes))
-                with contextlib.suppress(RanksLost):
-                    await self.gpu.call(self._store.trim_bytes, self._ceiling, self._pinned())
-                self._spilled()
+                evicted = await self._memory.trim(self._ceiling, self._pinned())
+                if self._disk is not None:
+                    self._disk.evicted(evicted)
             case _:
                 raise TypeError(f"prompt cache got an unexpected message: {message!r}")
 
@@ -340,80 +374,19 @@ class PromptCacheActor:
         return out
 
     async def _take(self, tokens: list[int]) -> Hit:
-        """Memory's best; a file on disk instead where it serves more of the prompt."""
+        """The tier that serves the most of the prompt (memory on a tie)."""
         try:
-            hit = await self.gpu.call(self._store.take, tokens)
+            memory = await self._memory.nearest(tokens)
         except RanksLost:  # the call never ran
             return Hit(None, 0)
-        if self._writer is None:
-            return hit
-        mine = as_tokens(tokens)
-        held, kept = self._writer.held(mine)
-        entry, usable = self.disk.nearest(mine)
-        if held is not None and kept > hit.cached and kept >= usable:
-            # Evicted from memory, its write still queued or under way: its KV
-            # is in memory yet, so it serves without a load.
-            caches = await self.gpu.call_here(_cut, held.caches, len(held.tokens) - kept)
-            return Hit(caches, kept, _served(hit.report, tokens, kept, CacheTier.MEMORY))
-        if entry is None or usable <= hit.cached:
-            return hit
-        caches = await self._load(entry, len(entry.tokens) - usable)
-        if caches is None:
-            return hit
-        return Hit(caches, usable, _served(hit.report, tokens, usable, CacheTier.DISK))
-
-    async def _load(self, entry: DiskEntry, trim: int) -> list[Any] | None:
-        """One file's caches, cut back by ``trim`` tokens; None if the file is bad
-        (then it is removed, with one log line)."""
-        start = trio.current_time()
-        # The writer may supersede or evict this entry while it loads (both
-        # await): its file then stays until the load is done.
-        self.disk.reading(entry)
-        try:
-            await trio.to_thread.run_sync(self.disk.verify, entry)
-            caches = await self.gpu.call_here(_loaded, entry.path, trim)
-        except (BadFile, ValueError, KeyError, RuntimeError) as exc:
-            why = str(exc) if isinstance(exc, BadFile) else f"it does not load ({exc})"
-            await trio.to_thread.run_sync(self.disk.drop, entry.path, why)
-            self.stats.post(Count(Metric.PROMPT_CACHE_DISK_BAD))
-            self._post_disk()
-            return None
-        finally:
-            if doomed := self.disk.read(entry):  # unindexed while it loaded
-                with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(disk_cache.remove, doomed)
-        self.stats.post(
-            Count(Metric.PROMPT_CACHE_DISK_HITS),
-            Count(Metric.PROMPT_CACHE_DISK_READ_BYTES, entry.nbytes),
-            Observe(Metric.PROMPT_CACHE_DISK_LOAD_TIME, trio.current_time() - start),
-        )
-        return caches
-
-    def _spilled(self) -> None:
-        """Count what memory evicted; queue the entries the disk does not hold."""
-        store = self._store
-        if store.evictions:
-            self.stats.post(Count(Metric.PROMPT_CACHE_EVICTIONS, store.evictions))
-            store.evictions = 0
-        spilled, store.spilled = store.spilled, []
-        for put in spilled:
-            if len(put.tokens) >= PUT_MIN_PROMPT:
-                self._writer.queue(put.tokens, put.caches, put.kind)
-
-    def _written(self) -> None:
-        """The writer finished a write (or gave one up)."""
-        self._post_disk()
-        self._step()
-
-    def _post_disk(self) -> None:
-        if self.disk is None:
-            return
-        self.stats.post(
-            Gauge(Metric.PROMPT_CACHE_DISK_ENTRIES, len(self.disk.entries)),
-            Gauge(Metric.PROMPT_CACHE_DISK_BYTES, self.disk.nbytes),
-            Gauge(Metric.PROMPT_CACHE_DISK_CAP, self.disk.cap),
-            Gauge(Metric.PROMPT_CACHE_DISK_PENDING, self._writer.pending),
-        )
+        if self._disk is not None:
+            offer = await self._disk.nearest(tokens)
+            if offer is not None and offer.usable > memory.usable:
+                caches = await offer.load()
+                if caches is not None:
+                    report = _served(memory.report, tokens, offer.usable, offer.tier)
+                    return Hit(caches, offer.usable, report)
+        return Hit(await memory.load(), memory.usable, memory.report)
 
     def _step(self) -> None:
         self._moved.set()
@@ -422,7 +395,7 @@ class PromptCacheActor:
     async def flush(self, seconds: float = math.inf) -> bool:
         """Wait (up to ``seconds``) until every message is handled and every queued
         write is on disk. False when time ran out (True at once without a disk)."""
-        hurried = self._writer.hurried() if self._writer else contextlib.nullcontext()
+        hurried = self._disk.hurried() if self._disk else contextlib.nullcontext()
         with hurried, trio.move_on_after(seconds):
             while self._busy():
                 await self._moved.wait()
@@ -431,7 +404,7 @@ class PromptCacheActor:
 
     def _busy(self) -> bool:
         """A message in hand or waiting, or a disk write queued or under way."""
-        writing = self._writer is not None and self._writer.busy
+        writing = self._disk is not None and self._disk.busy
         return writing or self._handling or bool(self.inbox.statistics().current_buffer_used)
 
 
@@ -448,21 +421,3 @@ def _served(report: CacheReport | None, tokens: Sequence[int], usable: int,
         diverged_at=None if full else max(usable, report.diverged_at or 0),
         tier=tier,
     )
-
-
-def _cut(caches: Sequence[Any], trim: int) -> list[Any]:
-    """Clones of a held entry's caches, cut back by ``trim`` tokens (GPU thread)."""
-    out = [clone(c) for c in caches]
-    if trim:
-        trim_prompt_cache(out, trim)
-    return out
-
-
-def _loaded(path: Any, trim: int) -> list[Any]:
-    """A disk entry's caches, cut back by ``trim`` tokens (GPU thread)."""
-    caches = disk_cache.load(path)
-    if trim:
-        trim_prompt_cache(caches, trim)
-    return caches
-
-
