@@ -303,12 +303,23 @@ class Decode:
         layout the step before it returns). Rows this step's tokens end ride the
         steps already queued, their tokens from them dropped and their KV cut
         back when they leave: their slot frees later, which a waiting request
-        would pay (a main agent's turn behind its sub-agents, docs/benchmarks.md)."""
+        would pay (a main agent's turn behind its sub-agents, docs/benchmarks.md);
+        nor one that no row wants (:meth:`_wanted`)."""
         live = self._live()
         return (len(self._flights) < self.pipeline and bool(live)
                 and not self._pausing and not self._waiting
                 and not (self._joining and self._flights)
-                and all(r.end is None for r in live))  # fmt: skip
+                and all(r.end is None for r in live)
+                and self._wanted(live))  # fmt: skip
+
+    def _wanted(self, live: list[Row]) -> bool:
+        """Whether a step more gives some row a token it may keep: one whose tokens
+        so far, the settling step's and one from each step in flight leave it
+        short of its ``max_tokens``. A row that ends at its ``max_tokens`` needs
+        no step after its last (mlx-lm's ``generate_step`` computes none); a lone
+        row's would only delay the next request's prefill on the device."""
+        coming = len(self._flights) + 1
+        return any(len(r.tokens) + coming < r.params.max_tokens for r in live)
 
     async def _settle(self) -> None:
         """Await the oldest step in flight and take its result: joiners that left, the
