@@ -30,7 +30,7 @@ import httpx
 from benchsuite import Server, _write_section, bench_llama, free_port
 from mlx_nursery.actors import EngineSettings
 from mlx_nursery.actors.models import registry
-from mlx_nursery.server.pool import estimate
+from mlx_nursery.server.sizing import estimate
 
 KV = "256M"  # each model's KV budget
 SERVE = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--log-level", "WARNING",

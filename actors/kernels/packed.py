@@ -288,7 +288,7 @@ def install(model: Any) -> Figures | None:
 def estimate(weights: Mapping[str, tuple[int, int, bool]]) -> int:
     """The bytes :func:`install` will pack for a model whose float32 2-D weights
     are ``weights`` (module name -> outputs, inputs, bias or not), before it is
-    loaded (a model's charge: ``server.pool.estimate``). Embeddings (``embed``
+    loaded (a model's charge: ``server.sizing.estimate``). Embeddings (``embed``
     in the name) count only where no ``lm_head`` is there: a tied head."""
     if mx.default_device().type != mx.DeviceType.cpu or module() is None:
         return 0
