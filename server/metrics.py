@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.utils import floatToGoString
 
-from .pool import ModelState
+from .specs import ModelState
 
 PREFIX = "mlx_nursery"
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import enum
 import fnmatch
 import gc
 import logging
@@ -46,9 +45,11 @@ from mlx_nursery.actors.gpu import DeviceLock
 
 from . import model_process
 from .api.base import ApiError
+from .hosts import Host, InChild, InProcess
 from .model_process import ModelProcess
 from .settings import Settings
 from .sizing import auto_memory_budget, charge_of, estimate
+from .specs import ModelState
 
 log = logging.getLogger("mlx_nursery.server")
 
@@ -56,14 +57,6 @@ DEFAULT_KEEP_ALIVE = 300.0  # seconds a model other than the default stays loade
 KEEP_ALIVE_TICK = 0.25  # seconds between the keep-alive sweeps
 DRAIN_POLL = 0.05  # seconds between looks at an evicting model's rows
 CLAUDE_PREFIX = "claude-"
-
-
-class ModelState(enum.StrEnum):
-    UNLOADED = "unloaded"
-    WAITING = "waiting"  # asked for: waits for its turn to load, or for memory
-    LOADING = "loading"
-    LOADED = "loaded"
-    UNLOADING = "unloading"
 
 
 @attrs.frozen
@@ -118,26 +111,28 @@ class Slot:
     def pinned(self) -> bool:
         return self.spec.keep_alive is None
 
+    @property
+    def host(self) -> Host | None:
+        """How the loaded model is hosted, asked one way (``hosts.py``): its engine
+        here, or its process; None while neither is up."""
+        if self.engine is not None:
+            return InProcess(self.engine)
+        return None if self.process is None else InChild(self.process)
+
     def idle(self) -> bool:
         """No request holds it and its engine has no row (requests that wait
         for it do not count: an evicting model is unloaded under them)."""
-        return self.leases == 0 and (self.engine is None or self.engine.idle())
+        host = self.host
+        return self.leases == 0 and (host is None or host.idle())
 
     def serving(self) -> bool:
         """Loaded, here or in a process of its own."""
-        return self.state is ModelState.LOADED and (
-            self.engine is not None or self.process is not None
-        )
+        return self.state is ModelState.LOADED and self.host is not None
 
     def resident_bytes(self) -> int:
-        """Weights, live KV and the prompt cache of the loaded engine (0 unloaded)."""
-        engine = self.engine
-        if self.process is not None and self.state is ModelState.LOADED:
-            return int(self.process.figures.get("resident_bytes") or 0)
-        if engine is None or self.state is not ModelState.LOADED:
-            return 0
-        s = engine.stats()
-        return engine.info.weights_bytes + s.kv_bytes + s.prompt_cache_bytes
+        """Weights, live KV and the prompt cache of the loaded model (0 unloaded)."""
+        host = self.host
+        return host.resident_bytes() if host and self.state is ModelState.LOADED else 0
 
     def figures(self, now: float) -> dict[str, Any]:
         return {
@@ -157,7 +152,7 @@ class Slot:
             "idle_seconds": None if self.leases or self.state is not ModelState.LOADED
             else round(now - self.last_used, 3),
             "context_length": self.context_length,
-            "process": None if self.process is None else self.process.pid,
+            "process": None if self.host is None else self.host.pid,
             "error": self.error,
         }  # fmt: skip
 
@@ -243,12 +238,12 @@ class Pool:
     # -- leases -----------------------------------------------------------------------
 
     @asynccontextmanager
-    async def lease(self, slot: Slot) -> AsyncIterator[Engine | None]:
-        """The slot's engine, loaded if need be, held from eviction while the
-        caller runs (None: the model is served by ``slot.process``)."""
-        engine = await self._acquire(slot)
+    async def lease(self, slot: Slot) -> AsyncIterator[Host]:
+        """The slot's host, loaded if need be, held from eviction while the
+        caller runs."""
+        host = await self._acquire(slot)
         try:
-            yield engine
+            yield host
         finally:
             slot.leases -= 1
             slot.last_used = trio.current_time()
@@ -266,15 +261,15 @@ class Pool:
             slot.last_used = trio.current_time()
             self._changed()
 
-    async def _acquire(self, slot: Slot) -> Engine | None:
+    async def _acquire(self, slot: Slot) -> Host:
         asked = trio.current_time()
         deadline = asked + self.wait
         while True:
-            engine = slot.engine
-            if slot.serving() and not slot.evicting:
+            host = slot.host
+            if host is not None and slot.serving() and not slot.evicting:
                 slot.leases += 1
                 slot.last_used = trio.current_time()
-                return engine
+                return host
             if slot.failed_at >= asked:
                 raise ApiError(503, f"model {slot.name!r} could not be loaded: {slot.error}",
                                type="service_unavailable", code="model_load_failed")  # fmt: skip
@@ -508,9 +503,9 @@ class Pool:
         """The slots whose engines are loaded in this process."""
         return [s for s in self.slots.values() if s.state is ModelState.LOADED and s.engine]
 
-    def processes_serving(self) -> list[ModelProcess]:
-        """The models' own processes that serve now."""
-        return [s.process for s in self.slots.values() if s.serving() and s.process]
+    def hosts(self) -> list[Host]:
+        """The hosts of the models that serve now, here or in processes."""
+        return [s.host for s in self.slots.values() if s.serving() and s.host is not None]
 
     async def wait_idle(self) -> None:
         for slot in self.loaded():

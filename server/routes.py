@@ -29,7 +29,6 @@ from mlx_nursery.actors import (
     Overloaded,
     RequestStream,
     Result,
-    SessionView,
 )
 from quart import Response, current_app, request
 
@@ -38,7 +37,8 @@ from .api.base import Api, ApiError, Parsed, Served, bad, dumps, sse
 from .api.messages import Messages, count_body
 from .api.openai import OpenAIApi
 from .choices import Choices, choice_request, sse_choices
-from .metrics import prometheus, stats_json
+from .metrics import prometheus
+from .model_process import ModelProcess
 from .pool import Slot
 from .request_log import record_of
 from .settings import Settings
@@ -100,17 +100,14 @@ class Routes:
         parsed = api.parse(body, request.headers)
         slot = self.state.pool.resolve(parsed.model)
         self.state.requests.adjusted.update(parsed.adjusted)
-        async with self.state.pool.lease(slot) as engine:
-            if engine is None:
-                return await self._forward(slot, body)
-            return await self._generate(engine, slot, parsed, api)
+        async with self.state.pool.lease(slot) as host:
+            return await host.answer(self, slot, body, parsed, api)
 
-    async def _forward(self, slot: Slot, body: dict) -> Response:
-        """A request for a model served by a process of its own, passed on as it
-        came (its ``model`` the served name) and its answer streamed back; the
-        slot is leased until the answer ends (``server/model_process.py``)."""
-        child, pool = slot.process, self.state.pool
-        assert child is not None
+    async def forward(self, child: ModelProcess, slot: Slot, body: dict) -> Response:
+        """A request for a model served by a process of its own (``hosts.InChild``),
+        passed on as it came (its ``model`` the served name) and its answer
+        streamed back; the slot is leased until the answer ends."""
+        pool = self.state.pool
         outgoing = child.client.build_request(
             request.method, request.path, params=list(request.args.items(multi=True)),
             content=dumps({**body, "model": slot.name}),
@@ -142,7 +139,9 @@ class Routes:
         response.timeout = None
         return response
 
-    async def _generate(self, engine: Engine, slot: Slot, parsed: Parsed, api: Api) -> Response:
+    async def generate_here(self, engine: Engine, slot: Slot, parsed: Parsed, api: Api
+                            ) -> Response:  # fmt: skip
+        """A request for a model whose engine runs here (``hosts.InProcess``)."""
         if parsed.n > 1:
             return await self._choices(engine, slot, parsed, api)
         stream = await self._start(engine, slot, parsed, api)
@@ -200,13 +199,15 @@ class Routes:
             body = {"max_tokens": 1, **body}
         parsed = api.parse(body, request.headers)
         slot = self.state.pool.resolve(parsed.model)
-        async with self.state.pool.lease(slot) as engine:
-            if engine is None:
-                return await self._forward(slot, body)
-            try:
-                tokens = len(engine.encode(parsed.request.prompt, **parsed.prompt_params))
-            except InvalidRequest as exc:
-                raise bad(str(exc), parsed.field(exc.param)) from None
+        async with self.state.pool.lease(slot) as host:
+            return await host.count(self, slot, body, parsed)
+
+    async def count_here(self, engine: Engine, parsed: Parsed) -> Response:
+        """Counting for a model whose engine runs here (``hosts.InProcess``)."""
+        try:
+            tokens = len(engine.encode(parsed.request.prompt, **parsed.prompt_params))
+        except InvalidRequest as exc:
+            raise bad(str(exc), parsed.field(exc.param)) from None
         return json_response(count_body(tokens))
 
     async def _start(self, engine: Engine, slot: Slot, parsed: Parsed, api: Api) -> RequestStream:
@@ -290,13 +291,9 @@ class Routes:
     async def sessions(self) -> Response:
         """``GET /v1/sessions``: the live sessions, each with its rows."""
         self.state.check_serving()
-        data = [session_json(s) for slot in self.state.pool.loaded()
-                for s in slot.engine.sessions()]  # fmt: skip
-        for child in self.state.pool.processes_serving():
-            r = await child.call("GET", "/v1/sessions")
-            if r is not None and r.status_code == 200:
-                with contextlib.suppress(ValueError, KeyError):
-                    data += r.json()["data"]
+        data = []
+        for host in self.state.pool.hosts():
+            data += await host.sessions()
         return json_response({"object": "list", "data": data})
 
     async def cancel_session(self, session: str) -> Response:
@@ -304,12 +301,9 @@ class Routes:
         session and of the sessions under it."""
         self.state.check_serving()
         why = f"session {session} was cancelled by DELETE"
-        n = sum(slot.engine.cancel_session(session, why) for slot in self.state.pool.loaded())
-        for child in self.state.pool.processes_serving():
-            r = await child.call("DELETE", f"/v1/sessions/{session}")
-            if r is not None and r.status_code == 200:
-                with contextlib.suppress(ValueError, KeyError):
-                    n += r.json()["cancelled"]
+        n = 0
+        for host in self.state.pool.hosts():
+            n += await host.cancel_session(session, why)
         if not n:
             raise ApiError(404, f"no live session {session!r}; GET /v1/sessions lists them",
                            type="not_found_error", code="session_not_found")  # fmt: skip
@@ -320,19 +314,14 @@ class Routes:
         pool's per-model figures, the recent requests and the HTTP refusals."""
         self.state.check_serving()
         slot = self.state.pool.resolve(request.args.get("model"))
-        engine = slot.engine
-        body = stats_json(engine.stats()) if engine is not None else {}
-        if slot.process is not None:  # its engine's figures, from its process
-            await self.state.pool.refresh(slot)
-            body = {k: v for k, v in slot.process.stats.items() if k not in _SERVER_FIGURES}
+        await self.state.pool.refresh(slot)  # a child's figures read again
+        host = slot.host
+        body = await host.figures() if host is not None else {}
         body["model"] = slot.name
         body.update(self.state.pool.figures())
         body["recent_requests"] = list(self.state.requests.recent)
         body["refusals"] = self.state.requests.refusal_figures()
         body["prompt_adjusted"] = dict(self.state.requests.adjusted)
-        ranks = engine.ranks() if engine is not None else None
-        if ranks is not None:
-            body["ranks"] = ranks
         return json_response(body)
 
     async def dashboard(self) -> Response:
@@ -358,25 +347,3 @@ class Routes:
             self.state.pool.figures(),
         )  # fmt: skip
         return Response(body, content_type=content_type)
-
-
-# /stats keys that are the server's, not a model engine's
-_SERVER_FIGURES = frozenset({"model", "models", "memory_budget_bytes", "reserved_bytes",
-                             "recent_requests", "refusals", "prompt_adjusted"})  # fmt: skip
-
-
-def session_json(s: SessionView) -> dict:
-    rows = [attrs.asdict(r) for r in s.rows]
-    return {
-        "id": s.id,
-        "object": "session",
-        "parent": s.parent,
-        "weight": s.weight,
-        "queued": s.queued,
-        "paused": s.paused,
-        "running": s.running,
-        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-        "cached_tokens": sum(r["cached_tokens"] for r in rows),
-        "tokens": sum(r["tokens"] for r in rows),
-        "rows": rows,
-    }

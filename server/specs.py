@@ -1,13 +1,24 @@
 """The CLI's words for models (``--model NAME=MODEL``, ``--keep-alive``,
-``--models-dir``), as the pool reads them (``docs/models.md``)."""
+``--models-dir``), as the pool reads them, and the states a model goes through
+in it (``docs/models.md``)."""
 
 from __future__ import annotations
 
+import enum
 import math
 from pathlib import Path
 
 from mlx_nursery.actors.models.registry import short_id
 
+
+class ModelState(enum.StrEnum):
+    """A configured model's state in the pool."""
+
+    UNLOADED = "unloaded"
+    WAITING = "waiting"  # asked for: waits for its turn to load, or for memory
+    LOADING = "loading"
+    LOADED = "loaded"
+    UNLOADING = "unloading"
 
 def spec_name(text: str) -> tuple[str | None, str]:
     """``NAME=MODEL`` -> (NAME, MODEL); a bare reference -> (None, MODEL). A name

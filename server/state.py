@@ -17,10 +17,11 @@ from mlx_nursery.actors.gpu import DeviceLock
 from mlx_nursery.actors.models.registry import short_id
 
 from .api.base import ApiError
-from .pool import DEFAULT_KEEP_ALIVE, ModelSpec, ModelState, Pool, Slot
+from .pool import DEFAULT_KEEP_ALIVE, ModelSpec, Pool, Slot
 from .request_log import RequestLog
 from .settings import Settings
 from .sizing import model_kv_budget
+from .specs import ModelState
 
 log = logging.getLogger("mlx_nursery.server")
 
