@@ -121,8 +121,7 @@ class FrontState:
     failed: trio.Event = attrs.field(factory=trio.Event)
     requests: RequestLog = attrs.field(factory=RequestLog)  # refusals here, in memory
     pool: Pool = attrs.field(init=False)  # names only: nothing is loaded here
-
-    keys: Placements = attrs.field(factory=lambda: Placements())  # where conversations went
+    keys: Placements = attrs.field(factory=Placements)  # where conversations went
 
     def __attrs_post_init__(self) -> None:
         self.pool = pool_of(self.settings)

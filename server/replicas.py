@@ -59,7 +59,6 @@ log = logging.getLogger("mlx_nursery.server")
 # alone; the last two are baselines that ignore prompts and conversations.
 ROUTER_POLICY = "sticky"
 POLICIES = ("sticky", "cache_aware", "power_of_two", "least_load", "round_robin", "random")
-BASELINES = ("round_robin", "random")
 ROUTING_KEY = "x-smg-routing-key"  # the header smg's manual policy pins by
 # cache_aware's spill gate: a worker the prefix chose is passed over for the least
 # loaded one when it has SPILL_ABS more requests in flight than the least loaded
