@@ -202,16 +202,13 @@ class FrontRoutes:
             )  # fmt: skip
             try:
                 upstream = await client.send(outgoing, stream=True)
-            except httpx.ConnectError as exc:  # the router is being started again
-                if attempt == RETRIES:
-                    raise ApiError(503, f"the router did not answer: {exc}",
+            except httpx.TransportError as exc:  # no answer began: the router died
+                if attempt == RETRIES:  # under it (a pooled connection reset), or is
+                    raise ApiError(503, f"no replica answered: {exc}",  # being started again
                                    type="service_unavailable",
                                    code="replica_unavailable") from None  # fmt: skip
                 await trio.sleep(RETRY_WAIT * attempt)
                 continue
-            except httpx.TransportError as exc:
-                raise ApiError(503, f"no replica answered: {exc}", type="service_unavailable",
-                               code="replica_unavailable") from None  # fmt: skip
             # A 5xx is the router's own (a replica's errors come in band): no replica
             # took the request, as when the one it chose has just died. Again, shortly.
             if upstream.status_code < 500 or attempt == RETRIES:
