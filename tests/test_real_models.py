@@ -231,9 +231,10 @@ async def test_8_bit_kv_equals_generate_with_kv_bits():
     assert batch == want
 
 
+@pytest.mark.own_blas
 def test_4_bit_kv_equals_generate_with_kv_bits_on_mlx_blas():
-    """``--kv-bits 4`` on mlx's own BLAS, in a process of its own (this set
-    preloads OpenBLAS). Under OpenBLAS a batch's matmuls differ from a lone
+    """``--kv-bits 4`` on mlx's own BLAS, in a process of its own (whatever the
+    suite's lane preloads). Under OpenBLAS a batch's matmuls differ from a lone
     row's in the last bits (another kernel for more rows); float KV absorbs
     that, but 4-bit KV can round such a value to another level, and the row
     then decodes otherwise (docs/quantized-kv.md). On mlx's BLAS the batch is
