@@ -202,9 +202,11 @@ class FrontRoutes:
             )  # fmt: skip
             try:
                 upstream = await client.send(outgoing, stream=True)
-            except httpx.TransportError as exc:  # no answer began: the router died
-                if attempt == RETRIES:  # under it (a pooled connection reset), or is
-                    raise ApiError(503, f"no replica answered: {exc}",  # being started again
+            # No answer began: the router died under the send (a pooled connection
+            # reset) or is being started again. Again, shortly.
+            except httpx.TransportError as exc:
+                if attempt == RETRIES:
+                    raise ApiError(503, f"no replica answered: {exc}",
                                    type="service_unavailable",
                                    code="replica_unavailable") from None  # fmt: skip
                 await trio.sleep(RETRY_WAIT * attempt)

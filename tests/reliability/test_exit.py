@@ -38,7 +38,7 @@ async def serve_answer_and_terminate(
     log_path, model: list[str], prompt: str
 ) -> tuple[float, int, str]:
     port = free_port()
-    # As users run it: OpenBLAS with its threads (the suite's real run keeps it to one).
+    # As users run it: OpenBLAS with its threads (tests/suite.sh holds it to one).
     env = {k: v for k, v in os.environ.items()
            if k not in ("LD_PRELOAD", "MLX_NURSERY_OPENBLAS", "OPENBLAS_NUM_THREADS")}  # fmt: skip
     argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--port", str(port),
