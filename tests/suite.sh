@@ -18,7 +18,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
-openblas=$(ls /usr/lib/*/openblas-pthread/libopenblas.so.0 2>/dev/null | head -1)
+# the library `serve` would preload (server/serve.py), or none
+openblas=$($BIN/python -c "from mlx_nursery.server.serve import find_openblas as f; print(f() or '')")
 mkdir -p test-artifacts
 real_log=test-artifacts/real-lane.log
 
