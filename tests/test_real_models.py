@@ -240,7 +240,11 @@ def test_4_bit_kv_equals_generate_with_kv_bits_on_mlx_blas():
     then decodes otherwise (docs/quantized-kv.md). On mlx's BLAS the batch is
     bit for bit the lone row: the KV and logprobs are equal."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    code = "import test_real_models as t; t._four_bits_on_mlx_blas()"
+    # Ended as the server ends (server/serve.py): os._exit once the check is done,
+    # since mlx's teardown at interpreter exit can abort ("terminate called
+    # without an active exception", -6: once in a suite run) after every assertion held.
+    code = ("import os, sys, test_real_models as t; t._four_bits_on_mlx_blas(); "
+            "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
