@@ -21,6 +21,7 @@ the error, the batch KV is dropped, and decoding goes on with whatever joins nex
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from typing import Any
 
@@ -51,6 +52,8 @@ from .step.kv import fit
 from .step.quantized import KvBits
 from .step.slots import Read
 from .step.syncs import Phases
+
+log = logging.getLogger("mlx_nursery.engine")
 
 MAILBOX_SIZE = 4096
 CLEAR_CACHE_EVERY = 256  # steps between mx.clear_cache(), as generate_step does
@@ -569,6 +572,7 @@ class Decode:
         ending keep their own end), and the batch starts over empty. ``pending``
         (tokens read before the fault) goes out first."""
         message = f"batch step failed: {type(exc).__name__}: {exc}"
+        log.error("%s (%d rows fail)", message, len(self._live()), exc_info=exc)
         self.stats.post(Count(Metric.BATCH_FAULTS))
         if pending:
             await self.to_emitter.send(Tokens(pending))
