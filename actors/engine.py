@@ -458,7 +458,8 @@ async def _build(gpu: Gpu, loaded: _Loaded) -> tuple[Engine, list[Any]]:
         actors.append(RankWatch(gpu.replica, gpu))
     # host-side and long for a large vocabulary (seconds): off the shared device lock
     ll_tok = await gpu.call_loading(ll_tokenizer, loaded.tokenizer, info.vocab_size)
-    intake = Intake(loaded.tokenizer, info, settings, budget, ll_tok)
+    intake = Intake(loaded.tokenizer, info, settings, budget, ll_tok,
+                    vision=getattr(loaded.model, "vision", None))  # fmt: skip
     cache_actor = next((a for a in actors if isinstance(a, PromptCacheActor)), None)
     engine = Engine(
         loaded.model, loaded.tokenizer, info, settings, intake, stats, to_admission, admitter,

@@ -27,6 +27,7 @@ from .constrain import (
 from .errors import ContextOverflow, InvalidRequest
 from .families import Lit, harmony_template, literal
 from .models.load import ModelInfo
+from .models.vision import MAX_IMAGES, Picture, picture
 from .request import Lane, Prompt, Request, SamplingParams, priority_of, session_weight
 from .row import Row, RowTimes
 from .settings import EngineSettings
@@ -50,6 +51,7 @@ class Intake:
     settings: EngineSettings
     budget: int | None  # resolved KV budget in bytes (None: no budget)
     ll_tokenizer: Any = None  # llguidance's view of the tokenizer (None: no constraints)
+    vision: Any = None  # the model's image side (models/vision.Vision; None: text only)
     _ids: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
     # Call markers as grammar terminals (a special token as itself), made once.
     lit: Lit = attrs.field(init=False, default=attrs.Factory(lambda s: literal(s.tokenizer),
@@ -217,33 +219,69 @@ class Intake:
                 raise InvalidRequest(
                     f"messages[{i}] needs a 'role' and a 'content'", param="messages"
                 )
-        ids = self.render(messages, generation_prompt=True, **template)
+        messages, pictures = self._pictures(messages)
+        ids = self.render(messages, generation_prompt=True, pictures=pictures, **template)
         boundary = None
         if len(messages) > 1:
             try:  # a template may refuse the shorter conversation (Llama 3's tools in the
-                before = self.render(messages[:-1], generation_prompt=False, **template)
+                before = self.render(messages[:-1], generation_prompt=False, pictures=pictures,
+                                     **template)  # fmt: skip
             except InvalidRequest:  # first user message): then there is no boundary
                 before = None
             if before is not None and ids[: len(before)] == before:
                 boundary = len(before)
         return ids, boundary
 
-    def render(self, messages: list, *, generation_prompt: bool, **extra: Any) -> list[int]:
-        try:
-            return list(
-                self.tokenizer.apply_chat_template(
-                    messages,
-                    add_generation_prompt=generation_prompt,
-                    **{**self._template, **extra},
-                )
+    def _pictures(self, messages: list) -> tuple[list, list[Picture]]:
+        """The messages as their template takes them (an image part as ``{"type":
+        "image"}``) and their images, checked, in order. An image for a model that
+        takes none is refused here, saying why."""
+        parts = [p for m in messages if isinstance(m.get("content"), list)
+                 for p in m["content"] if _is_image(p)]  # fmt: skip
+        if not parts:
+            return messages, []
+        if self.vision is None:
+            why = self.info.no_images or (
+                f"model {self.info.id!r} is a text model and takes no images: send text only, "
+                "or serve a vision model (docs/vision.md)"
             )
+            raise InvalidRequest(why, param="messages")
+        if len(parts) > MAX_IMAGES:
+            raise InvalidRequest(
+                f"{len(parts)} images in one request, over the limit of {MAX_IMAGES}: send "
+                "fewer (an agent can drop old screenshots from its context)", param="messages",
+            )  # fmt: skip
+        pictures = [picture(p["image"]) for p in parts]
+        images = {id(p) for p in parts}
+        bare = [
+            {**m, "content": [{"type": "image"} if id(p) in images else p for p in m["content"]]}
+            if isinstance(m.get("content"), list) else m
+            for m in messages
+        ]  # fmt: skip
+        return bare, pictures
+
+    def render(self, messages: list, *, generation_prompt: bool,
+               pictures: list[Picture] | None = None, **extra: Any) -> list[int]:  # fmt: skip
+        """A chat's token ids through the model's template; where it holds
+        ``pictures``, each image's ids in its place (``Vision.expand``)."""
+        arguments = {**self._template, **extra}
+        try:
+            if not pictures:
+                return list(self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=generation_prompt, **arguments))  # fmt: skip
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=generation_prompt, tokenize=False,
+                **arguments,
+            )  # fmt: skip
         except Exception as exc:  # a template error is the request's (or the settings')
             merged = merge_system(messages)
             if merged is not None:  # a template that takes system text only first
-                return self.render(merged, generation_prompt=generation_prompt, **extra)
+                return self.render(merged, generation_prompt=generation_prompt,
+                                   pictures=pictures, **extra)  # fmt: skip
             raise InvalidRequest(
                 f"the chat template could not render these messages: {exc}", param="messages"
             ) from None
+        return self.vision.expand(text, self.tokenizer, pictures, whole=generation_prompt)
 
     # -- limits ---------------------------------------------------------------------
 
@@ -299,6 +337,10 @@ class Intake:
             f"+ max_tokens {params.max_tokens:,}); the KV budget is {budget:,} bytes: {hint}",
             param="max_tokens",
         )
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") == "image"
 
 
 def merge_system(messages: list) -> list | None:

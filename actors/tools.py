@@ -330,7 +330,8 @@ def render_messages(
             calls = [_markup(c) for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": content + "".join(calls)})
         elif role == "tool":
-            out.append({"role": "user", "content": f"<tool_response>{content}</tool_response>"})
+            out.append({"role": "user", "content": _wrapped(content, "<tool_response>",
+                                                             "</tool_response>")})  # fmt: skip
         else:
             out.append({"role": role, "content": content})
     if tools:
@@ -340,6 +341,14 @@ def render_messages(
         else:
             out.insert(0, {"role": "system", "content": text})
     return out
+
+
+def _wrapped(content: str | list, before: str, after: str) -> str | list:
+    """Text around a message's content: a string's, or a list of parts' (an image
+    in a tool result stays a part of its own)."""
+    if isinstance(content, str):
+        return f"{before}{content}{after}"
+    return [{"type": "text", "text": before}, *content, {"type": "text", "text": after}]
 
 
 def _markup(call: Any) -> str:

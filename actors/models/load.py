@@ -17,6 +17,7 @@ from ..ranks import SharedInputs, sharded_load
 from ..speculation.drafters import DraftModel
 from ..step.quantized import runs_here
 from .registry import resolve, short_id
+from .vision import VisionUnavailable, attach, load_vision
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ class ModelInfo:
     weights_bytes: int
     # The tokenizer's thinking markers, e.g. ("<think>", "</think>"); None: no thinking.
     think: tuple[str, str] | None = None
+    # Images: the vision family served (models/vision.py), or why a checkpoint that
+    # takes images cannot have them here (None and None: a text model).
+    vision: str | None = None
+    no_images: str | None = None
 
 
 def load_model(
@@ -61,14 +66,14 @@ def load_model(
     from mlx_lm import load
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    name = "model"
+    name, path = "model", None
     sharded = group is not None and group.size() > 1
     if isinstance(model, str | Path):
         name = short_id(model)
+        path = resolve(model, float_dtype(dtype))
         if sharded:
-            model, tokenizer = sharded_load(resolve(model, float_dtype(dtype)), group)
+            model, tokenizer = sharded_load(path, group)
         else:
-            path = resolve(model, float_dtype(dtype))
             _check_model_file(path, trust_remote_code)
             model, tokenizer = load(str(path), trust_remote_code=trust_remote_code)
     elif sharded:
@@ -79,6 +84,7 @@ def load_model(
     installed = install(model, kernels)
     log.debug("kernels on %s: %s", name, installed)
     packing = installed.packed
+    vision, no_images = _vision(model, path, sharded)
     if sharded:
         model = SharedInputs(model, group)
     caches = make_prompt_cache(model)
@@ -96,10 +102,31 @@ def load_model(
         weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         + (packing.bytes if packing else 0),
         think=thinking_markers(tokenizer),
+        vision=vision,
+        no_images=no_images,
     )
     if kv is not None:
         runs_here(kv, model)
     return model, tokenizer, info
+
+
+def _vision(model: Any, path: Path | None, sharded: bool) -> tuple[str | None, str | None]:
+    """A vision checkpoint's image side, attached to its text model (models/vision.py):
+    the family served, or why images cannot be (logged once here)."""
+    config_file = None if path is None else Path(path) / "config.json"
+    if config_file is None or not config_file.is_file():
+        return None, None
+    try:
+        if sharded:
+            raise VisionUnavailable("images are not served across ranks yet: serve on one")
+        vision = load_vision(Path(path), json.loads(config_file.read_text()))
+    except VisionUnavailable as exc:
+        log.warning("%s; serving it as a text model", exc)
+        return None, str(exc)
+    if vision is None:
+        return None, None
+    attach(model, vision)
+    return vision.family, None
 
 
 def thinking_markers(tokenizer: Any) -> tuple[str, str] | None:

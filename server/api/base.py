@@ -11,6 +11,8 @@ nothing here does I/O.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -350,3 +352,43 @@ def sse_frame(body: Any) -> bytes:
 def sse_event(kind: str, body: dict) -> bytes:
     """One named server-sent event (Anthropic's and Responses' streams)."""
     return f"event: {kind}\ndata: {dumps(body)}\n\n".encode()
+
+
+# -- images (docs/vision.md) -------------------------------------------------------
+
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+
+
+def image_part(data: str, media_type: str | None, where: str, param: str = "messages") -> dict:
+    """An image for the engine (``{"type": "image", "image": bytes}``) from base64
+    text; ``media_type`` is checked where the API names one."""
+    if media_type is not None and media_type not in IMAGE_TYPES:
+        raise bad(f"{where}: media type {media_type!r} is not an image this server reads: "
+                  f"send one of {', '.join(IMAGE_TYPES)}", param)  # fmt: skip
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise bad(f"{where}: the image data is not valid base64", param) from None
+    return {"type": "image", "image": raw}
+
+
+def image_url_part(url: Any, where: str, param: str = "messages") -> dict:
+    """An image from an OpenAI ``image_url`` (a ``data:`` URL). A remote URL is
+    refused: a server on a person's machine does not fetch what a request
+    (which a web page may have written) points it at."""
+    if not isinstance(url, str) or not url:
+        raise bad(f"{where}: an image needs its URL (a data: URL)", param)
+    if not url.startswith("data:"):
+        raise bad(f"{where}: remote image URLs are not fetched by this server: send the "
+                  "image inline as a data: URL (data:image/png;base64,...)", param)  # fmt: skip
+    head, sep, data = url[5:].partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise bad(f"{where}: a data: URL must be base64 (data:image/png;base64,...)", param)
+    return image_part(data, head.removesuffix(";base64") or None, where, param)
+
+
+def joined(parts: list[dict]) -> str | list[dict]:
+    """A message's content: its text when it has no image, else its parts."""
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts

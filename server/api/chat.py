@@ -9,7 +9,16 @@ import attrs
 from mlx_nursery.actors import Event, FinishReason, Result
 from mlx_nursery.actors.tools import ToolCall
 
-from .base import Parsed, bad, check_bool, model_of, priority_field, request_of
+from .base import (
+    Parsed,
+    bad,
+    check_bool,
+    image_url_part,
+    joined,
+    model_of,
+    priority_field,
+    request_of,
+)
 from .openai import (
     TOOL_FIELDS,
     ChunkShaper,
@@ -23,19 +32,29 @@ from .openai import (
 )
 
 
-def _content(content: Any, i: int) -> str:
+def _content(content: Any, i: int) -> str | list[dict]:
+    """A message's content: its text, or its text and image parts (``image_url``,
+    a data: URL) in order."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
-        for part in content:
-            if not (isinstance(part, Mapping) and part.get("type") == "text"):
-                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            where = f"messages[{i}].content[{j}]"
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind == "image_url":
+                url = part.get("image_url")
+                parts.append(image_url_part(url.get("url") if isinstance(url, Mapping) else url,
+                                            where))  # fmt: skip
+            else:
+                raise bad(f"{where}: part type {kind!r} is not supported: send text or "
+                          "image_url parts", "messages")  # fmt: skip
+        return joined(parts)
     if content is None:
         return ""
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    raise bad(f"messages[{i}].content must be a string or a list of parts", "messages")
 
 
 def _functions(body: Mapping[str, Any], params: dict[str, Any], fields: dict) -> None:

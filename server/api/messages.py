@@ -1,12 +1,13 @@
 """Anthropic Messages (``POST /v1/messages``): translation only, no I/O.
 
-Request in: ``system``, content blocks (``text``, ``tool_use``, ``tool_result``;
-``image`` refused), ``tools`` / ``tool_choice``, ``stop_sequences``,
-``max_tokens``, sampling fields (older clients still send them in the body),
-``output_config.format`` (a JSON schema, through the constrained decoding) and
-``thinking``; out: the engine's chat messages and parameters, the same ones the
-OpenAI routes produce. Engine results and events in: Anthropic's message and its
-stream events out. ``cache_control`` blocks are accepted: the prompt cache keeps
+Request in: ``system``, content blocks (``text``, ``image`` (base64, in user
+turns and tool results), ``tool_use``, ``tool_result``), ``tools`` /
+``tool_choice``, ``stop_sequences``, ``max_tokens``, sampling fields (older
+clients still send them in the body), ``output_config.format`` (a JSON schema,
+through the constrained decoding) and ``thinking``; out: the engine's chat
+messages and parameters, the same ones the OpenAI routes produce. Engine results
+and events in: Anthropic's message and its stream events out. ``cache_control``
+blocks are accepted: the prompt cache keeps
 prefixes by itself, so they are a hint with nothing to add.
 
 Two things Claude Code sends would make each of its conversations and sub-agents
@@ -47,6 +48,8 @@ from .base import (
     Shaper,
     bad,
     check_bool,
+    image_part,
+    joined,
     json_schema_format,
     model_of,
     new_id,
@@ -123,18 +126,33 @@ def _text(blocks: Any, where: str) -> str:
     return "".join(out)
 
 
-def _result_text(content: Any, where: str) -> str:
-    """A tool result's content: its text; a block that is not text (an image a
-    tool returned) is named in its place, since this server reads text."""
+def _image(block: Mapping[str, Any], where: str) -> dict:
+    """An image block (a base64 source) as the engine's image part."""
+    source = block.get("source")
+    if not isinstance(source, Mapping) or source.get("type") != "base64":
+        kind = source.get("type") if isinstance(source, Mapping) else None
+        raise bad(f"{where}: image source {kind!r} is not read by this server: send the image "
+                  "inline (source type 'base64')", "messages")  # fmt: skip
+    return image_part(source.get("data"), source.get("media_type"), where)
+
+
+def _result_content(content: Any, where: str) -> str | list[dict]:
+    """A tool result's content: its text, and its images where it holds some (a
+    screenshot, a PNG a Read tool opened); another kind of block is named in its
+    place, since this server reads text and images."""
     if isinstance(content, str) or content is None:
         return content or ""
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or a list of blocks", "messages")
     out = []
-    for block in content:
+    for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, Mapping) else None
-        out.append(str(block.get("text", "")) if kind == "text" else f"[{kind} omitted]")
-    return "".join(out)
+        if kind == "image":
+            out.append(_image(block, f"{where}.content[{j}]"))
+        else:
+            text = str(block.get("text", "")) if kind == "text" else f"[{kind} omitted]"
+            out.append({"type": "text", "text": text})
+    return joined(out)
 
 
 # Blocks of the server tools' own turns (web search and the like): nothing to render.
@@ -160,13 +178,15 @@ def _message(i: int, m: Any) -> list[dict]:
         kind = block.get("type") if isinstance(block, Mapping) else None
         where = f"messages[{i}].content[{j}]"
         if kind == "text":
-            text.append(str(block.get("text", "")))
+            text.append({"type": "text", "text": str(block.get("text", ""))})
+        elif kind == "image" and m["role"] == "user":
+            text.append(_image(block, where))
         elif kind == "tool_use" and m["role"] == "assistant":
             args = json.dumps(block.get("input") or {})
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block.get("name"), "arguments": args}})  # fmt: skip
         elif kind == "tool_result" and m["role"] == "user":
-            body = _result_text(block.get("content", ""), where)
+            body = _result_content(block.get("content", ""), where)
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                             "content": body})  # fmt: skip
         elif kind == "thinking" and m["role"] == "assistant":
@@ -178,16 +198,15 @@ def _message(i: int, m: Any) -> list[dict]:
         ):
             continue
         elif kind in ("image", "document"):
-            raise bad(
-                f"{where}: {kind} blocks are not supported: this server reads text", "messages"
-            )
+            raise bad(f"{where}: {kind} blocks are not read here: send images in user turns "
+                      "(documents as text)", "messages")  # fmt: skip
         else:
             raise bad(f"{where}: block type {kind!r} is not supported here", "messages")
     out = [*results]
     if calls:
-        out.append({"role": "assistant", "content": "".join(text), "tool_calls": calls})
+        out.append({"role": "assistant", "content": joined(text), "tool_calls": calls})
     elif text or not results:
-        out.append({"role": m["role"], "content": "".join(text)})
+        out.append({"role": m["role"], "content": joined(text)})
     if thought and out and out[-1]["role"] == "assistant":
         out[-1]["reasoning_content"] = "".join(thought)
     return out

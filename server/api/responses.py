@@ -1,7 +1,8 @@
 """OpenAI Responses (``POST /v1/responses``): translation only, no I/O.
 
-Request in: ``input`` (a string, or items: messages, ``function_call``,
-``function_call_output``), ``instructions``, function ``tools`` and ``namespace``
+Request in: ``input`` (a string, or items: messages with text and
+``input_image`` parts, ``function_call``, ``function_call_output`` with the
+same), ``instructions``, function ``tools`` and ``namespace``
 groups of them (flattened to ``namespace.name``, calls mapped back), hosted tools
 left out (listed in ``X-Ignored-Tools``), ``tool_choice``, ``max_output_tokens``,
 ``temperature``, ``top_p``, ``text.format`` (a JSON schema through the
@@ -30,6 +31,8 @@ from .base import (
     Shaper,
     bad,
     check_bool,
+    image_url_part,
+    joined,
     json_schema_format,
     model_of,
     new_id,
@@ -66,18 +69,27 @@ def _new(prefix: str) -> str:
     return new_id(prefix, "_")
 
 
-def _content(content: Any, where: str) -> str:
+def _content(content: Any, where: str) -> str | list[dict]:
+    """An item's content: its text, or its text and images (``input_image``, a
+    data: URL) in order."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or a list of parts", "input")
     out = []
-    for part in content:
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise bad(f"{where}: part type {kind!r} is not supported (text only)", "input")
-        out.append(str(part.get("text", "")))
-    return "".join(out)
+        if kind == "input_image":
+            if part.get("image_url") is None and part.get("file_id") is not None:
+                raise bad(f"{where}.content[{j}]: file_id needs stored files; this server keeps "
+                          "none: send the image as a data: URL in image_url", "input")  # fmt: skip
+            out.append(image_url_part(part.get("image_url"), f"{where}.content[{j}]", "input"))
+        elif kind in ("input_text", "output_text", "text"):
+            out.append({"type": "text", "text": str(part.get("text", ""))})
+        else:
+            raise bad(f"{where}: part type {kind!r} is not supported (text and input_image)",
+                      "input")  # fmt: skip
+    return joined(out)
 
 
 def _items(items: Any, aliases: Mapping[tuple[str, str], str]) -> list[dict]:
@@ -110,8 +122,11 @@ def _items(items: Any, aliases: Mapping[tuple[str, str], str]) -> list[dict]:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else json.dumps(output)
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+            if isinstance(output, list):  # parts: text and images (a screenshot a tool took)
+                body = _content(output, f"input[{i}].output")
+            else:
+                body = output if isinstance(output, str) else json.dumps(output)
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": body})
         elif kind in _HOSTED_ITEMS:
             continue  # hosted tools' own turns are not fed back
         elif kind == "item_reference":
