@@ -214,6 +214,8 @@ class Engine:
             snapshot = attrs.evolve(snapshot, packed=PackedFigures(
                 weights.modules, weights.bytes, weights.packed, weights.small,
                 weights.plain))  # fmt: skip
+        if self.intake.vision is not None:
+            snapshot = attrs.evolve(snapshot, images=self.intake.vision.figures())
         return snapshot
 
     @property

@@ -361,6 +361,18 @@ class CompiledFigures:
 
 
 @attrs.frozen
+class ImageFigures:
+    """A vision model's images (``models.vision``; docs/vision.md)."""
+
+    family: str  # the vision family served
+    encoded: int  # images through the vision tower
+    encode_seconds: float  # their time there
+    hits: int  # images whose embeddings were kept (the tower spared)
+    held: int  # images kept for rows still to prefill them
+    kept_embeddings: int  # images whose embeddings are kept
+
+
+@attrs.frozen
 class PackedFigures:
     """The products read from packed weights (``--packed-weights``; ``kernels.packed``)."""
 
@@ -492,6 +504,7 @@ class StatsSnapshot:
     loop_turn: HistogramSnapshot
     compiled: CompiledFigures | None = None  # None: --compile off
     packed: PackedFigures | None = None  # None: --packed-weights off, or nothing routed
+    images: ImageFigures | None = None  # None: a text model
     # Each request class's figures, by name (interactive, subagent, background).
     classes: dict[str, ClassFigures] = attrs.field(factory=dict)
 

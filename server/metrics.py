@@ -7,7 +7,7 @@ import math
 
 import attrs
 from mlx_nursery.actors import HistogramSnapshot, StatsSnapshot
-from mlx_nursery.actors.stats import COUNTERS, GAUGES, HISTOGRAMS, Mode
+from mlx_nursery.actors.stats import COUNTERS, GAUGES, HISTOGRAMS, ImageFigures, Mode
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.openmetrics import exposition as openmetrics
@@ -102,6 +102,22 @@ class _Snapshot:
                 f"{PREFIX}_{m.exposed}", m.help, buckets=_buckets(h), sum_value=h.sum
             )
         yield from _class_families(s)
+        if s.images is not None:
+            yield from _image_families(s.images)
+
+
+def _image_families(images: ImageFigures):
+    """A vision model's images (docs/vision.md)."""
+    yield CounterMetricFamily(f"{PREFIX}_images_encoded", "Images through the vision tower.",
+                              value=images.encoded)  # fmt: skip
+    yield CounterMetricFamily(f"{PREFIX}_image_encode_seconds",
+                              "Seconds images spent in the vision tower.",
+                              value=images.encode_seconds)  # fmt: skip
+    yield CounterMetricFamily(f"{PREFIX}_image_cache_hits", "Images whose embeddings were "
+                              "kept by content (the vision tower spared).",
+                              value=images.hits)  # fmt: skip
+    yield GaugeMetricFamily(f"{PREFIX}_images_kept", "Images whose embeddings are kept.",
+                            value=images.kept_embeddings)  # fmt: skip
 
 
 def _buckets(h: HistogramSnapshot) -> list[tuple[str, int]]:
@@ -242,6 +258,8 @@ def stats_json(s: StatsSnapshot) -> dict:
         body["compiled"] = {**attrs.asdict(s.compiled), "share": s.compiled.share}
     if s.packed is not None:
         body["packed"] = {**attrs.asdict(s.packed), "share": s.packed.share}
+    if s.images is not None:
+        body["images"] = attrs.asdict(s.images)
     body["classes"] = {
         name: {"queued": c.queued, "running": c.running, "tokens": c.tokens,
                "queue_wait": _hist_json(c.queue_wait)}

@@ -241,8 +241,15 @@ async def test_a_tool_result_carries_its_image_to_the_model():
                 "model": MODEL, "max_output_tokens": 4,
                 "input": [{"role": "user", "content": "Read a.png"}, *out]})  # fmt: skip
             assert r2.status_code == 200, r2.text
+            stats = (await client.get("/stats")).json()
+            metrics = (await client.get("/metrics")).text
         (slot,) = state.pool.loaded()
         assert slot.engine.intake.vision.encoded == 1  # one image, found by content the 2nd time
+        images = stats["images"]
+        assert images["family"] == "gemma3" and images["encoded"] == 1
+        assert images["hits"] == 1 and images["encode_seconds"] > 0
+        assert "mlx_nursery_images_encoded_total 1.0" in metrics
+        assert "mlx_nursery_image_cache_hits_total 1.0" in metrics
 
 
 @pytest.mark.parametrize(

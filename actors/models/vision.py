@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import InvalidRequest
+from ..stats import ImageFigures
 
 IMAGE_BASE = 1 << 30  # the first image id: past every vocabulary
 SPAN = 1 << 14  # ids an image may take (its soft tokens)
@@ -45,7 +46,12 @@ MAX_IMAGE_BYTES = 20 << 20  # an image's encoded size
 MAX_PIXELS = 40_000_000  # width times height (PIL's bomb guard is 89M)
 MAX_IMAGES = 16  # a request's images
 KEPT_FEATURES = 256 << 20  # bytes of image embeddings kept by content
-RECENT = 64  # images kept by the registry beyond the rows that hold them
+KEPT_IMAGES = 512 << 20  # bytes of images kept for the rows still to prefill them
+
+
+def shows_images(tokens: Sequence[int]) -> bool:
+    """Whether a prompt holds an image's ids."""
+    return bool(tokens) and max(tokens) >= IMAGE_BASE
 
 
 def vision_family(config: dict) -> str | None:
@@ -111,29 +117,41 @@ def _rgb(data: bytes) -> Any:
 @attrs.define(eq=False)
 class Images:
     """Where each image's ids lie: a run of ``SPAN`` ids an image, by content (the
-    same bytes, the same run, for this process's life). The pictures placed
-    stay reachable while rows hold them and the last ``RECENT`` besides."""
+    same bytes, the same run, for this process's life). The images placed are
+    kept, the least recently placed let go past ``KEPT_IMAGES`` bytes (a row
+    whose image was let go before its prefill fails, saying so)."""
 
     _runs: dict[str, int] = attrs.field(factory=dict)  # sha -> run
-    _by_run: dict[int, Picture] = attrs.field(factory=dict)
-    _recent: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)
+    _held: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # run -> it
+    _bytes: int = 0
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     def place(self, image: Picture, tokens: int) -> Picture:
         with self._lock:
             run = self._runs.setdefault(image.sha, len(self._runs))
-            if run >= (1 << 31) // SPAN - IMAGE_BASE // SPAN:
+            if run >= ((1 << 31) - IMAGE_BASE) // SPAN:
                 raise InvalidRequest("this server has placed every image it can: restart it")
             placed = attrs.evolve(image, first=IMAGE_BASE + run * SPAN, tokens=tokens)
-            self._by_run[run] = placed
-            self._recent[image.sha] = placed
-            self._recent.move_to_end(image.sha)
-            while len(self._recent) > RECENT:
-                self._recent.popitem(last=False)
+            old = self._held.pop(run, None)
+            self._bytes += len(image.data) - (len(old.data) if old else 0)
+            self._held[run] = placed
+            while self._bytes > KEPT_IMAGES and len(self._held) > 1:
+                _, gone = self._held.popitem(last=False)
+                self._bytes -= len(gone.data)
             return placed
 
+    def __len__(self) -> int:
+        return len(self._held)
+
     def of(self, image_id: int) -> Picture:
-        return self._by_run[(image_id - IMAGE_BASE) // SPAN]
+        with self._lock:
+            held = self._held.get((image_id - IMAGE_BASE) // SPAN)
+        if held is None:
+            raise LookupError(
+                f"an image of this prompt was let go before its prefill (over "
+                f"{KEPT_IMAGES >> 20} MB of images came after it): send it again"
+            )
+        return held
 
 
 @attrs.define(eq=False)
@@ -210,6 +228,10 @@ class Vision:
             self._kept -= old.nbytes
         return out
 
+    def figures(self) -> ImageFigures:
+        return ImageFigures(self.family, self.encoded, self.encode_seconds, self.hits,
+                            len(self.images), len(self._features))  # fmt: skip
+
     @property
     def dtype(self) -> mx.Dtype:
         return self.vlm.multi_modal_projector.mm_input_projection_weight.dtype
@@ -229,7 +251,7 @@ class Vision:
         for begin, end in zip(starts, [*starts[1:], len(held)], strict=True):
             image = self.images.of(int(held[begin]))
             at = held[begin:end] - image.first
-            parts.append(self.features(image, counted=at[0] == 0)[mx.array(at)])
+            parts.append(self.features(image, counted=bool(at[0] == 0))[mx.array(at)])
         image_features = mx.concatenate(parts)[None]
         text = np.where(where, self.image_token, ids)
         config = self.vlm.config

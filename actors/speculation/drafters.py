@@ -27,6 +27,7 @@ step), except the figures, which the decode actor reads from each step's result.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,8 @@ from typing import Any
 import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
+
+from ..models.vision import IMAGE_BASE
 
 DRAFTERS = ("prompt", "suffix", "model")
 MAX_DRAFT = 8  # most draft tokens one row carries into a step
@@ -232,6 +235,7 @@ class Drafter:
             more, m = self.shared.lookup(tokens[-max(self.shared.sizes) :], k)
             if m > n:
                 found, n, source = more, m, "suffix"
+        found = list(itertools.takewhile(lambda t: t < IMAGE_BASE, found))  # never an image's id
         if found:
             self.match = (source, n)
         return found
