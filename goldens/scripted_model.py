@@ -51,6 +51,10 @@ from mlx_lm.models.cache import KVCache
 
 HERE = Path(__file__).resolve().parent
 SURE = 100.0  # the scripted token's logit; every other token's is 0
+# The engine's first image id (actors/models/vision.py IMAGE_BASE): an image's
+# soft tokens read back as IMAGE (this file runs outside the package).
+IMAGE_BASE = 1 << 30
+IMAGE = "\uf000"
 
 
 @dataclass
@@ -65,6 +69,7 @@ class ModelArgs(BaseModelArgs):
     # beside the script over the same tokens, its output unused but computed, so
     # prefill and decode cost what such a model's do (benchmarks). None: no cost.
     body: dict | None = None
+    embeds: int | None = None  # a vision checkpoint's: its embedding table's width
 
 
 @dataclass(frozen=True)
@@ -176,14 +181,19 @@ class Script:
         )
 
     def text(self, ids: np.ndarray) -> str:
-        """One character per id: bytes as latin-1, specials as private-use."""
-        wide = np.where(ids >= 256, ids - 256 + 0xE000, ids).astype("<u4")
+        """One character per id: bytes as latin-1, specials as private-use, an
+        image's ids as ``IMAGE``."""
+        wide = np.where(ids >= 256, ids - 256 + 0xE000, ids)
+        wide = np.where(ids >= IMAGE_BASE, ord(IMAGE), wide).astype("<u4")
         return wide.tobytes().decode("utf-32-le")
 
     def plain(self, text: str) -> str:
-        """The UTF-8 text a stretch of :meth:`text` stands for."""
+        """The UTF-8 text a stretch of :meth:`text` stands for (an image as
+        ``[image]``)."""
         out, specials = [], {c: t for t, c in self.chars.items()}
-        for part in re.split("([\ue000-\uefff])", text):
+        specials[IMAGE] = "[image]"
+        for part in re.split(f"([\ue000-\uefff]|{IMAGE}+)", text):
+            part = part[:1] if part.startswith(IMAGE) else part
             out.append(specials.get(part) or part.encode("latin-1").decode("utf-8", "replace"))
         return "".join(out)
 
@@ -393,6 +403,18 @@ WRITERS = {"chatml": _chatml, "qwen3": _chatml, "qwen3_coder": _qwen3_coder, "gl
            "llama3": _llama3, "harmony": _harmony}  # fmt: skip
 
 
+EMBEDS = "language_model.model.embed_tokens.weight"
+
+
+class _Embeds(nn.Module):
+    """Where a Gemma 3 checkpoint keeps its embedding table (``EMBEDS``)."""
+
+    def __init__(self, vocab: int, width: int):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, width)
+
+
 class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -403,6 +425,17 @@ class Model(nn.Module):
             body = {"vocab_size": args.vocab_size, **args.body}
             self.body = llama.LlamaModel(llama.ModelArgs.from_dict(body))
         self.script = Script(args, json.loads((HERE / args.script).read_text()))
+        if args.embeds is not None:  # a vision checkpoint's embedding table (sanitize)
+            self.language_model = _Embeds(args.vocab_size, args.embeds)
+
+    def sanitize(self, weights: dict) -> dict:
+        """Its own weights: a vision checkpoint's directory (``make_scripted_model
+        --vision``) holds a real one's, of which only the embedding table is
+        kept (the image side reads it to merge a prompt's embeddings)."""
+        own = {k: v for k, v in weights.items() if k == "unit" or k.startswith("body.")}
+        if self.args.embeds is not None:
+            own[EMBEDS] = weights[EMBEDS]
+        return {"unit": mx.ones((1,)), **own}
 
     def make_cache(self) -> list:
         """One plain cache for the ids, one per layer of the body."""

@@ -95,9 +95,10 @@ from make_scripted_model import build  # noqa: E402 (goldens/ on the path)
 
 
 def build_model(
-    out: Path, script: dict, body: dict | None = None, family: str | None = None
-) -> str:
-    return str(build(out, script, body, family))
+    out: Path, script: dict, body: dict | None = None, family: str | None = None,
+    vision: bool = False,
+) -> str:  # fmt: skip
+    return str(build(out, script, body, family, vision))
 
 
 def claude(home: Path, port: int, prompt: str) -> tuple[list[str], dict]:

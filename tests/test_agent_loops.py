@@ -265,3 +265,33 @@ async def test_launch_starts_a_server_runs_the_client_and_stops_it(tmp_path):
     assert len((tmp_path / "log.jsonl").read_text().splitlines()) >= 10  # the main agent and 3 subs
     with pytest.raises(OSError):  # the server it started is gone
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+async def test_claude_code_reads_a_png_and_the_image_reaches_the_model(tmp_path):
+    """Claude Code's Read tool opens a PNG and sends it back as an image in its
+    tool result; the scripted vision model (the tiny Gemma 3 vision checkpoint's
+    image side) reads the image's own ids where the screenshot is, and says so."""
+    from test_vision import png
+
+    work = workdir(tmp_path / "work")
+    shot = work / "shot.png"
+    shot.write_bytes(png(51, (300, 400)))
+    script = {"rules": [{"when": "Look at shot.png", "turns": [
+        {"calls": [{"name": "Read", "arguments": {"file_path": str(shot)}}]},
+        {"text": "I see {last_result}"},
+    ]}], "default": {"text": "ok"}}  # fmt: skip
+    model = build_model(tmp_path / "scripted", script, vision=True)
+    async with recorded_server("--model", model, "--trust-remote-code",
+                               "--prompt-cache-disk", "0") as rec:  # fmt: skip
+        loop = await run_client(*claude(tmp_path / "home", rec.port, "Look at shot.png"), work)
+        async with httpx.AsyncClient() as client:
+            stats = (await client.get(f"http://127.0.0.1:{rec.port}/stats")).json()
+    exchanges = rec.exchanges()
+    assert_all_2xx(exchanges, loop)
+    sent = posts(exchanges, "/v1/messages")
+    results = [b for e in sent for m in e.json()["messages"] if isinstance(m["content"], list)
+               for b in m["content"] if b.get("type") == "tool_result"]  # fmt: skip
+    assert any(isinstance(r["content"], list) and r["content"][0]["type"] == "image"
+               for r in results), results  # fmt: skip
+    assert "I see [image]" in said(loop)
+    assert stats["images"]["encoded"] >= 1

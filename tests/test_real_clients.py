@@ -140,3 +140,61 @@ async def test_the_agents_sdk_runs_a_tool_loop(client_model, kind, tmp_path):
     assert_all_2xx(exchanges, done)
     out = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert out["calls"] >= 1 and out["verdict"]["ok"] in (True, False), out
+
+
+SEES = """
+import base64
+import urllib.request
+from typing import Literal
+
+
+class Seen(BaseModel):  # a shaped answer: it ends by construction on a random model
+    colour: Literal["red", "green", "blue", "black", "white", "grey", "yellow", "purple"]
+    busy: bool
+
+
+async def main(url, kind):
+    model = sdk_model(url, kind, "vision")
+    settings = ModelSettings(temperature=0, max_tokens=64)
+    agent = Agent(name="eyes", instructions="Say what you see.", model=model,
+                  model_settings=settings, output_type=Seen)
+    answers = []
+    for name in sys.argv[3:]:
+        shown = "data:image/png;base64," + base64.b64encode(Path(name).read_bytes()).decode()
+        asked = [{"role": "user", "content": [{"type": "input_image", "image_url": shown,
+                                               "detail": "auto"},
+                                              {"type": "input_text", "text": "What is this?"}]}]
+        seen = (await Runner.run(agent, asked, max_turns=1)).final_output
+        answers.append(seen.model_dump())
+    print(json.dumps(answers))
+    with urllib.request.urlopen(url + "/stats") as stats:  # the server's image figures
+        print(json.dumps(json.load(stats)["images"]))
+"""
+
+
+@pytest.mark.parametrize("kind", ["responses", "chat"])
+async def test_the_agents_sdk_sends_an_input_image_that_reaches_the_model(kind, tmp_path):
+    """The Agents SDK sends screenshots as ``input_image`` items (as chat
+    ``image_url`` parts on its chat model) to the tiny vision model, with a shaped
+    answer: every request answered 2xx, each answer of the shape, and the server
+    encoded the two screenshots (the first, sent again, found by its content)."""
+    from test_vision import MODEL, png
+
+    shots = []
+    for seed in (31, 32, 31):
+        shots.append(tmp_path / f"shot{len(shots)}.png")
+        shots[-1].write_bytes(png(seed))
+    vision = f"vision={GOLDENS / 'models' / MODEL}"
+
+    def client(port: int) -> tuple[list[str], dict]:
+        argv, env = agents_sdk(SEES, tmp_path, port, kind)
+        return [*argv, *map(str, shots)], env
+
+    exchanges, done = await recorded_run(client, tmp_path / "work", "--model", vision)
+    assert_all_2xx(exchanges, done)
+    sent = [e for e in exchanges if e.method == "POST"]
+    assert len(sent) == 3 and all(b"data:image/png;base64," in e.body for e in sent)
+    lines = done.stdout.decode().strip().splitlines()
+    answers, images = json.loads(lines[-2]), json.loads(lines[-1])
+    assert len(answers) == 3 and all(a["colour"] and "busy" in a for a in answers), answers
+    assert images["encoded"] == 2, images

@@ -24,6 +24,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import io
+import json
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -279,7 +281,7 @@ def load_vision(path: Path, config: dict) -> Vision | None:
         raise VisionUnavailable(
             f"this {family} checkpoint takes images, but mlx-vlm is not installed: {EXTRA}"
         ) from None
-    vlm = load_model(Path(path), lazy=True)
+    vlm = _family_model(Path(path), config, load_model)
     vlm.language_model = None  # mlx-lm's text model runs the prompt; its weights stay unread
     mx.eval(vlm.vision_tower.parameters(), vlm.multi_modal_projector.parameters())
     processor = load_processor(path, add_detokenizer=False)
@@ -287,6 +289,22 @@ def load_vision(path: Path, config: dict) -> Vision | None:
         family, vlm, processor, image_token=int(processor.image_token_id),
         soft_tokens=int(processor.image_seq_length),
     )  # fmt: skip
+
+
+def _family_model(path: Path, config: dict, load_model: Any) -> Any:
+    """mlx-vlm's model of the checkpoint's family, its weights read lazily. Where the
+    config names custom code for its text model (``model_file``, which mlx-vlm
+    would run instead), the family's own model is built, from a view of the
+    folder whose config leaves that out."""
+    if "model_file" not in config:
+        return load_model(path, lazy=True)
+    with tempfile.TemporaryDirectory(prefix="vision-") as view:
+        for item in path.iterdir():
+            if item.name != "config.json":
+                (Path(view) / item.name).symlink_to(item.resolve())
+        plain = {k: v for k, v in config.items() if k != "model_file"}
+        (Path(view) / "config.json").write_text(json.dumps(plain))
+        return load_model(Path(view), lazy=False)  # read before the view goes
 
 
 class VisionUnavailable(Exception):
