@@ -32,7 +32,7 @@ from mlx_nursery.actors import (
 )
 from quart import Response, current_app, request
 
-from . import dashboard, model_process
+from . import dashboard, image_urls, model_process
 from .api.base import Api, ApiError, Parsed, Served, bad, dumps, sse
 from .api.messages import Messages, count_body
 from .api.openai import OpenAIApi
@@ -97,6 +97,8 @@ class Routes:
         request holds a lease on its model (loaded if need be) while it starts."""
         self.state.check_serving()
         body = await body_json(self.settings.body_timeout)
+        if self.settings.image_urls:
+            body = await image_urls.fetched(body)
         parsed = api.parse(body, request.headers)
         slot = self.state.pool.resolve(parsed.model)
         self.state.requests.adjusted.update(parsed.adjusted)

@@ -67,6 +67,11 @@ class Settings:
         help="comma-separated Host names to answer besides those, or * for any",
     )  # fmt: skip
     max_request_bytes: int = setting(16 * 1024 * 1024, cli=False, help="a larger body is a 413")
+    image_urls: bool = setting(
+        False, help="fetch the images a request names by http(s) URL (off: such a request "
+        "is refused, as a server on a person's machine should not fetch what a request "
+        "points it at; inline data: images are always read)",
+    )  # fmt: skip
     drain_seconds: float = setting(
         30.0, cli=False, help="in-flight requests get this long at shutdown"
     )

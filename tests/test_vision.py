@@ -6,8 +6,11 @@ image by its content; the bad inputs."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
+import http.server
 import io
+import threading
 
 import httpx
 import numpy as np
@@ -281,3 +284,49 @@ async def test_bad_images_over_http_are_400s_and_the_batch_runs_on(content, says
                 assert r.json()["error"]["param"] == "messages"
                 chunks = [c async for c in sse_chunks(running)]
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@contextlib.contextmanager
+def files_served(folder):
+    """``folder`` over HTTP on a loopback port (a thread): the base URL."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+async def test_image_urls_are_fetched_only_when_the_server_is_told_to(tmp_path):
+    """A remote image URL is a 400 by default; with ``--image-urls`` the image is
+    fetched and read as if it were sent inline (the same answer), and a URL that
+    is not an image, or not there, is a 400 that names it."""
+    (tmp_path / "shot.png").write_bytes(png(61))
+    (tmp_path / "notes.txt").write_text("not an image")
+
+    def asked(url: str) -> dict:
+        return {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [{
+            "role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                        {"type": "text", "text": "What is this?"}]}]}  # fmt: skip
+
+    with files_served(tmp_path) as base:
+        async with running_server(VISION, batch=2) as (url, _):
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                refused = await client.post("/v1/chat/completions", json=asked(f"{base}/shot.png"))
+                inline = await client.post("/v1/chat/completions",
+                                           json=asked(data_url(png(61))))  # fmt: skip
+        assert refused.status_code == 400 and "--image-urls" in refused.json()["error"]["message"]
+        async with running_server(VISION, batch=2, image_urls=True) as (url, _):
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                fetched = await client.post("/v1/chat/completions", json=asked(f"{base}/shot.png"))
+                text = await client.post("/v1/chat/completions", json=asked(f"{base}/notes.txt"))
+                gone = await client.post("/v1/chat/completions", json=asked(f"{base}/gone.png"))
+    assert fetched.status_code == 200, fetched.text
+    content = fetched.json()["choices"][0]["message"]["content"]
+    assert content == inline.json()["choices"][0]["message"]["content"]
+    assert text.status_code == 400 and "not an image" in text.json()["error"]["message"]
+    assert gone.status_code == 400 and "answered 404" in gone.json()["error"]["message"]

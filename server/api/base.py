@@ -375,12 +375,14 @@ def image_part(data: str, media_type: str | None, where: str, param: str = "mess
 def image_url_part(url: Any, where: str, param: str = "messages") -> dict:
     """An image from an OpenAI ``image_url`` (a ``data:`` URL). A remote URL is
     refused: a server on a person's machine does not fetch what a request
-    (which a web page may have written) points it at."""
+    (which a web page may have written) points it at, unless started with
+    ``--image-urls`` (``server/image_urls.py`` then fetches it first)."""
     if not isinstance(url, str) or not url:
         raise bad(f"{where}: an image needs its URL (a data: URL)", param)
     if not url.startswith("data:"):
         raise bad(f"{where}: remote image URLs are not fetched by this server: send the "
-                  "image inline as a data: URL (data:image/png;base64,...)", param)  # fmt: skip
+                  "image inline as a data: URL (data:image/png;base64,...), or start the "
+                  "server with --image-urls", param)  # fmt: skip
     head, sep, data = url[5:].partition(",")
     if not sep or not head.endswith(";base64"):
         raise bad(f"{where}: a data: URL must be base64 (data:image/png;base64,...)", param)

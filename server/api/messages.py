@@ -132,7 +132,8 @@ def _image(block: Mapping[str, Any], where: str) -> dict:
     if not isinstance(source, Mapping) or source.get("type") != "base64":
         kind = source.get("type") if isinstance(source, Mapping) else None
         raise bad(f"{where}: image source {kind!r} is not read by this server: send the image "
-                  "inline (source type 'base64')", "messages")  # fmt: skip
+                  "inline (source type 'base64'), or start the server with --image-urls",
+                  "messages")  # fmt: skip
     return image_part(source.get("data"), source.get("media_type"), where)
 
 
