@@ -45,6 +45,8 @@ def _under_openblas(script: str) -> None:
                          text=True, timeout=300)  # fmt: skip
     if "unavailable" in run.stderr:
         pytest.skip("needs a C++ compiler, Python's headers and an AVX-512 CPU")
+    if "no small-matrix kernel" in run.stderr:
+        pytest.skip(f"OpenBLAS's core here has {run.stderr.strip().splitlines()[-1]}")
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
 
 
@@ -65,18 +67,27 @@ def test_packed_products_are_mlxs_bits_under_openblas():
         got = [decode(*shape) for shape in shapes]
         for a, b in zip(plain, got):
             assert mx.array_equal(a, b).item()
-        # decode steps from the panels and in place; prefill on mlx's matmul
-        assert figures.packed > 0 and figures.small > 0 and figures.plain > 0, figures
-        every = list(range(1, packed.MAX_ROWS + 1))
-        assert sorted(packed.routes(1536, 576, False)) == every
+        # decode steps from the panels and in place (where OpenBLAS's core has its
+        # small-matrix kernel); prefill on mlx's matmul
+        kernel = packed.openblas_core() in packed.SMALL_KERNEL_CORES
+        assert figures.packed > 0 and (figures.small > 0) == kernel and figures.plain > 0, (
+            figures, packed.openblas_core())
+        # every row count on SkylakeX's cores; where OpenBLAS's kernel changes its
+        # sums past some rows (Haswell's past 12), those keep mlx's matmul, but a
+        # decode step's (up to 8 rows) are served
+        every = list(range(1, packed.MAX_ROWS + 1)) if kernel else list(range(1, 9))
+        served = sorted(packed.routes(1536, 576, False))
+        assert served == every if kernel else served[:8] == every, served
         # OpenBLAS's small-matrix kernel takes q and o at one and two rows, k and v
         # at up to six, down at one: those read the weight where it lies
         small = {shape: sorted(r for r, route in packed.routes(*shape, False).items()
                                if route == packed.SMALL)
                  for shape in ((576, 576), (192, 576), (576, 1536), (1536, 576))}
-        assert small == {(576, 576): [1, 2], (192, 576): list(range(1, 7)),
-                         (576, 1536): [1], (1536, 576): []}, small
-        assert sorted(packed.routes(192, 576, False)) == every
+        want = {(576, 576): [1, 2], (192, 576): list(range(1, 7)), (576, 1536): [1],
+                (1536, 576): []}
+        assert small == (want if kernel else {shape: [] for shape in want}), small
+        served = sorted(packed.routes(192, 576, False))
+        assert served == every if kernel else served[:8] == every, served
         packed.uninstall(model)
         assert type(model.model.layers[0].mlp.gate_proj).__name__ == "Linear"
         print("ok")
@@ -115,6 +126,8 @@ def test_small_matrix_sums_match_openblas_on_odd_shapes():
         ext = packed.module()
         if ext is None:
             raise SystemExit("unavailable")
+        if packed.openblas_core() not in packed.SMALL_KERNEL_CORES:
+            raise SystemExit(f"no small-matrix kernel on {packed.openblas_core()}")
         for n, k in ((577, 100), (3, 40), (198, 57)):
             w = mx.random.normal((n, k), key=mx.random.key(n))
             b = mx.random.normal((n,), key=mx.random.key(k))

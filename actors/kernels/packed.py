@@ -28,6 +28,7 @@ count is the small-matrix kernel's). Runs on the GPU thread.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import logging
 import os
@@ -102,6 +103,22 @@ def _openblas() -> bool:
         return "libopenblas" in Path("/proc/self/maps").read_text()
     except OSError:
         return False
+
+
+# OpenBLAS cores whose float32 GEMM has the small-matrix kernel (0.3.21: SkylakeX's
+# family); others (Haswell, Zen: what 0.3.21 picks on an AMD CPU with AVX-512 too)
+# always pack, so only the packed routes can give their bits.
+SMALL_KERNEL_CORES = ("SkylakeX", "Cooperlake", "SapphireRapids")
+
+
+def openblas_core() -> str | None:
+    """The core OpenBLAS chose here (``openblas_get_corename``), or None: not OpenBLAS."""
+    try:
+        name = ctypes.CDLL(None).openblas_get_corename
+    except (AttributeError, OSError):
+        return None
+    name.restype = ctypes.c_char_p
+    return name().decode()
 
 
 def module() -> Any:
