@@ -92,7 +92,8 @@ serve: install openblas
 # dequantized to float32), then sharded on 1-3 ranks, then the overload storm; writes
 # docs/benchmarks.md, docs/bench/ and the tables of docs/scale-out.md and
 # docs/reliability.md, then the speculative-decoding loads, then Claude Code's agent
-# loop request by request (needs `make clients`). About an hour and a half.
+# loop request by request (needs `make clients`), then images in the batch
+# (bench/vision.py). About an hour and a half.
 # `make bench PEERS=1` adds vllm-mlx and rapid-mlx (own venvs in ~/.cache/mlx-nursery/peers,
 # installed on first use: each pulls torch, about 6.5 GB and 3 minutes).
 # The benchmark model's folder is keyed by a hash of what builds it (goldens/keyed.py).
@@ -116,6 +117,7 @@ bench: install openblas clients
 	$(BIN)/python bench/compiled_step.py --openblas --real --model "bench llama 30M=$(BENCH_MODEL)" --extras --section compiled-step
 	$(BIN)/python bench/host_step.py --section host-step
 	$(BIN)/python bench/replicas.py
+	$(BIN)/python bench/vision.py
 
 # Ten minutes of mixed traffic against a server (streams, drops, bad bodies, long
 # prompts): RSS and KV slopes, the ledger, 5xx count; figures into docs/reliability.md.
