@@ -330,3 +330,11 @@ async def test_image_urls_are_fetched_only_when_the_server_is_told_to(tmp_path):
     assert content == inline.json()["choices"][0]["message"]["content"]
     assert text.status_code == 400 and "not an image" in text.json()["error"]["message"]
     assert gone.status_code == 400 and "answered 404" in gone.json()["error"]["message"]
+
+
+def test_a_vision_family_not_served_yet_loads_as_its_text_model_and_says_why():
+    from mlx_nursery.actors.models.vision import VisionUnavailable, load_vision
+
+    with pytest.raises(VisionUnavailable, match="not served for 'qwen2_5_vl' models yet"):
+        load_vision(VISION, {"model_type": "qwen2_5_vl", "vision_config": {}})
+    assert load_vision(VISION, {"model_type": "llama"}) is None  # a text model
