@@ -42,7 +42,7 @@ from clients import assert_all_2xx, posts, run_client  # noqa: E402
 from clients import recorded_server as recorded  # noqa: E402
 from conftest import server_process  # noqa: E402
 from make_scripted_model import BODY  # noqa: E402 (goldens/, put on the path by agent_loops)
-from mlx_nursery.server.serve import find_openblas  # noqa: E402
+from mlx_nursery.server.blas import find_openblas  # noqa: E402
 
 SECOND = FAN_OUT.replace("Fan out:", "Fan out: again,")  # the next task: a new conversation
 FLAGS = ("--trust-remote-code", "--prompt-cache-disk", "0")

@@ -44,8 +44,8 @@ from edits import edit_messages, natural_messages  # bench/ (this script's folde
 from mlx_nursery.actors.disk_cache import KV_DIR_ENV
 from mlx_nursery.actors.models.load import cast
 from mlx_nursery.server.bench import WORDS, LoadSpec, one_request, prompts, run_load, storm
+from mlx_nursery.server.blas import OPENBLAS_ENV, find_openblas
 from mlx_nursery.server.launch import MLX_LAUNCH
-from mlx_nursery.server.serve import OPENBLAS_ENV, find_openblas
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

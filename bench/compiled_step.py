@@ -397,7 +397,7 @@ def table(rows: list[dict], n: int, rounds: int, backend: str) -> str:
 def with_openblas(script: str) -> None:
     """Re-run ``script`` (this process's own) with OpenBLAS preloaded, where it is
     installed and not preloaded yet (``mlx-nursery serve`` does the same)."""
-    from mlx_nursery.server.serve import find_openblas
+    from mlx_nursery.server.blas import find_openblas
 
     lib = find_openblas()
     if lib and "openblas" not in os.environ.get("LD_PRELOAD", ""):

@@ -114,7 +114,7 @@ def main() -> int:
 
     sys.path.insert(0, os.path.dirname(__file__))
     from benchsuite import FLOOD_FLAGS
-    from mlx_nursery.server.serve import find_openblas
+    from mlx_nursery.server.blas import find_openblas
 
     scratch = tempfile.mkdtemp(prefix="flood-trace-")  # the trace and the disk tier
     trace = os.path.join(scratch, "trace.json")

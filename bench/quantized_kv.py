@@ -26,7 +26,7 @@ import sys
 import trio
 from benchsuite import Server, _write_section, blas, float32_copy, free_port, load
 from mlx_nursery.actors.models import registry
-from mlx_nursery.server.serve import find_openblas
+from mlx_nursery.server.blas import find_openblas
 
 STEP = 32
 CLIENTS = 8

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import trio
 from benchsuite import _write_section, blas
-from mlx_nursery.server.serve import find_openblas
+from mlx_nursery.server.blas import find_openblas
 
 GOLDENS = Path(__file__).resolve().parents[1] / "goldens"
 SYSTEM = ("You are a coding agent. You look at screenshots of the user's screen and say "

@@ -22,9 +22,10 @@ from mlx_nursery.actors.ranks import check_shardable
 
 from . import bench, clients, front, launch, replicas, top
 from .access import exposure_problem
+from .blas import maybe_reexec_with_openblas
 from .model_child import watch_parent
 from .pool import DEFAULT_KEEP_ALIVE
-from .serve import exit_now, maybe_reexec_with_openblas, serve
+from .serve import exit_now, serve
 from .settings import API_KEY_ENV, Settings
 from .specs import models_in, parse_duration, spec_name
 from .state import ServerPhase, pool_of

@@ -312,8 +312,9 @@ async def wait_healthy(client: httpx.AsyncClient, proc, output) -> None:
 
 @asynccontextmanager
 async def server_process(*args: str, openblas: bool = False):
-    """`mlx-nursery serve` in a process of its own on a free loopback port (its
-    event loop then carries no test-side load); yields (url, pid). SIGTERM at the end.
+    """`mlx-nursery serve` (the command's entry, `server/entry.py`) in a process of
+    its own on a free loopback port (its event loop then carries no test-side
+    load); yields (url, pid). SIGTERM at the end.
     On the suite's bundled BLAS, unless ``openblas`` (for tests that compare no
     tokens): then as users run it, with OpenBLAS preloaded where installed."""
     import os
@@ -321,7 +322,7 @@ async def server_process(*args: str, openblas: bool = False):
     import sys
 
     port = free_port()
-    argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--port", str(port)]
+    argv = [sys.executable, "-m", "mlx_nursery.server.entry", "serve", "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if not openblas:
         env["MLX_NURSERY_OPENBLAS"] = "0"

@@ -19,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
 # the library `serve` would preload (server/serve.py), or none
-openblas=$($BIN/python -c "from mlx_nursery.server.serve import find_openblas as f; print(f() or '')")
+openblas=$($BIN/python -c "from mlx_nursery.server.blas import find_openblas as f; print(f() or '')")
 mkdir -p test-artifacts
 real_log=test-artifacts/real-lane.log
 

@@ -19,7 +19,7 @@ import trio
 from conftest import model_path, running_server, server_process
 from mlx_nursery.actors import EngineSettings
 from mlx_nursery.actors.gpu import DeviceLock
-from mlx_nursery.server.serve import find_openblas
+from mlx_nursery.server.blas import find_openblas
 from mlx_nursery.server.sizing import SHARE_OF_BUDGET, auto_memory_budget, estimate
 from mlx_nursery.server.specs import ModelState
 from mlx_nursery.server.top import render

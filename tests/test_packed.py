@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_nursery.actors.kernels import packed
-from mlx_nursery.server.serve import find_openblas
+from mlx_nursery.server.blas import find_openblas
 
 # A two-layer llama whose products are the size of SmolLM2's (hidden 576, MLP 1,536,
 # a tied head): the shapes OpenBLAS's packing path takes at a few rows.

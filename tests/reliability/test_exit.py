@@ -41,7 +41,7 @@ async def serve_answer_and_terminate(
     # As users run it: OpenBLAS with its threads (tests/suite.sh holds it to one).
     env = {k: v for k, v in os.environ.items()
            if k not in ("LD_PRELOAD", "MLX_NURSERY_OPENBLAS", "OPENBLAS_NUM_THREADS")}  # fmt: skip
-    argv = [sys.executable, "-m", "mlx_nursery.server.cli", "serve", "--port", str(port),
+    argv = [sys.executable, "-m", "mlx_nursery.server.entry", "serve", "--port", str(port),
             *model, "--log-level", "INFO"]  # fmt: skip
     with open(log_path, "wb") as log:  # noqa: ASYNC230 (a child process writes it)
         proc = subprocess.Popen(argv, env=env, stderr=log)  # noqa: ASYNC220
