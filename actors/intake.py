@@ -240,6 +240,14 @@ class Intake:
                  for p in m["content"] if _is_image(p)]  # fmt: skip
         if not parts:
             return messages, []
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if m.get("role") not in ("user", "tool") and isinstance(content, list) and any(
+                map(_is_image, content)
+            ):
+                raise InvalidRequest(f"messages[{i}]: images go in user turns or tool "
+                                     f"results, not in a {m.get('role')} turn",
+                                     param="messages")  # fmt: skip
         if self.vision is None:
             why = self.info.no_images or (
                 f"model {self.info.id!r} is a text model and takes no images: send text only, "

@@ -155,6 +155,13 @@ async def test_a_bad_image_is_refused_saying_what_to_change(images, says):
         assert len(ok.tokens) == 2
 
 
+async def test_an_image_outside_a_user_turn_or_tool_result_is_refused():
+    said = {"role": "assistant", "content": [{"type": "image", "image": png(1)}]}
+    async with checked_engine(VISION, batch=2) as engine:
+        with pytest.raises(InvalidRequest, match="images go in user turns or tool results"):
+            await engine.generate([*asking("Hi"), said, *asking("And?")], max_tokens=2)
+
+
 async def test_an_image_for_a_text_model_is_refused():
     async with checked_engine(model_path("llama"), batch=2) as engine:
         with pytest.raises(InvalidRequest, match="takes no images"):

@@ -5,11 +5,12 @@ A vision checkpoint (Gemma 3's image-text models) loads as two parts: mlx-lm's
 text model, which the batch runs like any other, and mlx-vlm's vision tower and
 projector, which turn an image into its soft tokens' embeddings. An image in a
 prompt is a run of **image ids**: ids past any vocabulary (``IMAGE_BASE`` up),
-one a soft token, a run an image, the run's place given by the image's content
-hash (:class:`Images`). The ids are the prompt's tokens everywhere the engine
-keeps them, so the prompt cache (memory and disk) keys an image by what it
-shows: two screenshots with the same text around them never share KV, and the
-same screenshot sent again is found with its encoding. Only the model's first
+one a soft token, a run an image, the same run for the same bytes (their hash;
+:class:`Images`). The ids are the prompt's tokens everywhere the engine keeps
+them, so the prompt cache keys an image by what it shows: two screenshots with
+the same text around them never share KV, and the same screenshot sent again
+is found with its encoding. (The runs are this process's: the disk tier keeps
+no entry that shows an image.) Only the model's first
 layer reads them: the text model's ``__call__`` (:func:`attach`) swaps a chunk's
 image ids for the image's embeddings, merged exactly as mlx-vlm merges them,
 and encodes an image (vision tower, projector) the first time it is needed,
@@ -74,10 +75,6 @@ class Picture:
     height: int
     first: int = 0  # its first image id (set by Images.place)
     tokens: int = 0
-
-    @property
-    def ids(self) -> list[int]:
-        return list(range(self.first, self.first + self.tokens))
 
 
 def picture(data: bytes) -> Picture:
