@@ -337,7 +337,9 @@ class ReplicaSet:
             *router_command(), "launch", "--host", "127.0.0.1", "--port", str(self.router_port),
             "--worker-urls", *(r.url for r in self.replicas),
             *router_policy(self.policy),
-            "--api-key", self.key,  # what it sends the replicas
+            # what it sends the replicas; one argument with its flag (a random key may
+            # begin with "-", which smg's parser took for a flag: code 2)
+            f"--api-key={self.key}",
             "--control-plane-api-keys", f"front:mlx-nursery:admin:{self.key}",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
             "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
