@@ -53,6 +53,7 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 
+from .models.vision import shows_images
 from .paths import cache_root, sha256
 from .step.kv import SOLO, clone
 from .step.quantized import first
@@ -138,7 +139,9 @@ async def open_tier(
         tag = f"kv{kv.bits}-g{kv.group_size}-s{kv.start}"
         identity, dtype = f"{identity}-{tag}", f"{dtype}-{tag}"
     try:
-        tier = await trio.to_thread.run_sync(_open, folder, model_id, dtype, identity, cap)
+        vision = getattr(model, "vision", None)  # a vision model's (models/vision.py)
+        tier = await trio.to_thread.run_sync(_open, folder, model_id, dtype, identity, cap,
+                                             None if vision is None else vision.images)  # fmt: skip
     except OSError as exc:
         log.warning("prompt cache: no disk tier, %s cannot be used: %s", folder, exc)
         return None
@@ -149,10 +152,10 @@ async def open_tier(
     return tier
 
 
-def _open(folder: str | None, model_id: str, dtype: str, identity: str, cap: int | None
-          ) -> DiskTier:  # fmt: skip
+def _open(folder: str | None, model_id: str, dtype: str, identity: str, cap: int | None,
+          images: Any = None) -> DiskTier:  # fmt: skip
     root = Path(os.path.expanduser(folder)) if folder else default_dir(model_id, dtype)
-    tier = DiskTier(root, identity, default_cap(root) if cap is None else cap)
+    tier = DiskTier(root, identity, default_cap(root) if cap is None else cap, images)
     tier.scan()
     remove(tier.over_cap())
     return tier
@@ -260,6 +263,9 @@ class DiskTier:
     root: Path
     identity: str
     cap: int  # bytes
+    # A vision model's image runs (``models.vision.Images``): an entry that shows
+    # images records their hashes, and is read back as this process places them.
+    images: Any = None
     entries: dict[str, DiskEntry] = attrs.field(factory=dict, init=False)  # by file name
     # Loads in progress, by file name, and the entries unindexed meanwhile (a
     # longer entry superseded them, or the cap): their files go when the last
@@ -301,8 +307,13 @@ class DiskTier:
         try:
             tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype="<i4").astype(np.int32)
             trimmable, kind = meta["trimmable"] == "1", meta["kind"]
+            shown = {int(r): sha for r, sha in json.loads(meta.get("images", "{}")).items()}
         except (KeyError, ValueError) as exc:
             raise BadFile(f"its metadata is incomplete ({exc})") from None
+        if shown:
+            if self.images is None:
+                raise BadFile("it shows images, and this model takes none")
+            tokens = self.images.here(tokens, shown)
         stat = path.stat()
         if stat.st_size != size:
             raise BadFile(f"truncated or padded: {stat.st_size} bytes, its header says {size}")
@@ -366,6 +377,8 @@ class DiskTier:
             "trimmable": "1" if frozen.trimmable else "0",
             "kind": kind,
         }
+        if self.images is not None and shows_images(tokens):  # by hash: ids are this process's
+            metadata["images"] = json.dumps(self.images.shown(tokens))
         tmp = self.root / f"{TMP_PREFIX}{uuid.uuid4().hex}{SUFFIX}"
         try:
             save_prompt_cache(str(tmp), frozen.caches, metadata)

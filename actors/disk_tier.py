@@ -33,7 +33,6 @@ from .disk_cache import BadFile, DiskEntry, DiskTier, as_tokens
 from .disk_writer import DiskWriter
 from .gpu import Gpu
 from .messages import PUT_MIN_PROMPT, Put
-from .models.vision import shows_images
 from .request import CacheReport, CacheTier
 from .stats import Count, Gauge, Metric, Observe, Stats
 from .step.kv import clone
@@ -105,16 +104,13 @@ class Disk:
     def keep(self, put: Put) -> None:
         """An entry memory was given: a long one is written ``WRITE_DELAY`` after
         its put, unless the conversation's next turn supersedes it first."""
-        if len(put.tokens) >= disk_cache.LONG_PREFIX and not shows_images(put.tokens):
+        if len(put.tokens) >= disk_cache.LONG_PREFIX:
             self.writer.queue(put.tokens, put.caches, put.kind, disk_cache.WRITE_DELAY)
 
     def evicted(self, puts: Sequence[Put]) -> None:
-        """Entries memory evicted: each written at once, unless the disk holds it.
-        An entry that shows an image is never written: image ids are placed per
-        process (``models.vision.Images``), so after a restart an id may stand for
-        another image."""
+        """Entries memory evicted: each written at once, unless the disk holds it."""
         for put in puts:
-            if len(put.tokens) >= PUT_MIN_PROMPT and not shows_images(put.tokens):
+            if len(put.tokens) >= PUT_MIN_PROMPT:
                 self.writer.queue(put.tokens, put.caches, put.kind)
 
     def hurried(self) -> contextlib.AbstractContextManager[None]:

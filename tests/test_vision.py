@@ -19,6 +19,7 @@ import trio
 from conftest import checked_engine, generate_to_eos, model_path, running_server, sse_chunks
 from mlx_nursery.actors import InvalidRequest
 from mlx_nursery.actors.models.vision import IMAGE_BASE
+from mlx_nursery.actors.request import CacheTier
 
 VISION = model_path("gemma3_vision")
 TOKENS = 12
@@ -345,3 +346,36 @@ def test_a_vision_family_not_served_yet_loads_as_its_text_model_and_says_why():
     with pytest.raises(VisionUnavailable, match="not served for 'qwen2_5_vl' models yet"):
         load_vision(VISION, {"model_type": "qwen2_5_vl", "vision_config": {}})
     assert load_vision(VISION, {"model_type": "llama"}) is None  # a text model
+
+
+async def test_the_disk_tier_keeps_an_image_by_its_hash_across_a_restart(tmp_path):
+    """A screenshot conversation written to the disk tier is found after a restart
+    by the same screenshot, and never by another one with the same text around
+    it, though image ids are a process's own: here the written screenshot's ids
+    are the other one's after the restart (the entry records its images' hashes
+    and is read back as the new process places them)."""
+    first, other = png(71), png(72)
+    system = {"role": "system", "content": "You look at screenshots. " * 60}  # past LONG_PREFIX
+    turn = [system, *asking("What is this?", first)]
+    settings = {"batch": 2, "prompt_cache_dir": str(tmp_path / "tier")}
+    async with checked_engine(VISION, **settings) as engine:
+        await engine.generate(asking("Hi", other), max_tokens=2)  # short: kept in memory only
+        a = await engine.generate(turn, max_tokens=4, logit_bias={ord("a"): 100})
+        written = engine.intake.prompt(turn, {})[1]
+        assert await engine.flush_prompt_cache()
+    later = [*turn, {"role": "assistant", "content": a.text},
+             {"role": "user", "content": "And now?"}]  # fmt: skip
+    async with checked_engine(VISION, **settings) as engine:
+        ids = engine.intake.prompt([system, *asking("What is this?", other)], {})[1]
+        image_at = next(i for i, t in enumerate(ids) if t >= IMAGE_BASE)
+        assert ids[image_at] == written[image_at]  # the written screenshot's ids, another image
+        swapped = [system, *asking("What is this?", other), *later[2:]]  # the same turns
+        b = await engine.generate(swapped, max_tokens=4)
+        assert b.usage.cached_tokens <= image_at
+        again = await engine.generate(later, max_tokens=4)
+        assert again.usage.cache.tier is CacheTier.DISK
+        assert again.usage.cached_tokens >= a.usage.prompt_tokens + 4
+        assert engine.intake.vision.encoded == 1  # only the other screenshot was looked at
+    async with checked_engine(VISION, prompt_cache_disk=0, batch=2) as engine:
+        fresh = await engine.generate(later, max_tokens=4)
+    assert again.tokens == fresh.tokens

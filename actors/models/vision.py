@@ -9,8 +9,8 @@ one a soft token, a run an image, the same run for the same bytes (their hash;
 :class:`Images`). The ids are the prompt's tokens everywhere the engine keeps
 them, so the prompt cache keys an image by what it shows: two screenshots with
 the same text around them never share KV, and the same screenshot sent again
-is found with its encoding. (The runs are this process's: the disk tier keeps
-no entry that shows an image.) Only the model's first
+is found with its encoding. The runs are this process's: the disk tier writes
+an entry's images by hash and reads them back as this process places them. Only the model's first
 layer reads them: the text model's ``__call__`` (:func:`attach`) swaps a chunk's
 image ids for the image's embeddings, merged exactly as mlx-vlm merges them,
 and encodes an image (vision tower, projector) the first time it is needed,
@@ -52,9 +52,9 @@ KEPT_FEATURES = 256 << 20  # bytes of image embeddings kept by content
 KEPT_IMAGES = 512 << 20  # bytes of images kept for the rows still to prefill them
 
 
-def shows_images(tokens: Sequence[int]) -> bool:
+def shows_images(tokens: Sequence[int] | np.ndarray) -> bool:
     """Whether a prompt holds an image's ids."""
-    return bool(tokens) and max(tokens) >= IMAGE_BASE
+    return len(tokens) > 0 and int(np.max(tokens)) >= IMAGE_BASE
 
 
 def vision_family(config: dict) -> str | None:
@@ -121,15 +121,38 @@ class Images:
     whose image was let go before its prefill fails, saying so)."""
 
     _runs: dict[str, int] = attrs.field(factory=dict)  # sha -> run
+    _shas: dict[int, str] = attrs.field(factory=dict)  # run -> sha
     _held: collections.OrderedDict = attrs.field(factory=collections.OrderedDict)  # run -> it
     _bytes: int = 0
-    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+    _lock: threading.RLock = attrs.field(factory=threading.RLock)
+
+    def run_of(self, sha: str) -> int:
+        """The run of the image whose bytes hash to ``sha`` (given now if new)."""
+        with self._lock:
+            run = self._runs.setdefault(sha, len(self._runs))
+            if run >= ((1 << 31) - IMAGE_BASE) // SPAN:
+                raise InvalidRequest("this server has placed every image it can: restart it")
+            self._shas[run] = sha
+            return run
+
+    def shown(self, tokens: np.ndarray) -> dict[int, str]:
+        """The images a prompt's ids show: their runs, and each one's hash."""
+        runs = np.unique((tokens[tokens >= IMAGE_BASE] - IMAGE_BASE) // SPAN)
+        with self._lock:
+            return {int(r): self._shas[int(r)] for r in runs}
+
+    def here(self, tokens: np.ndarray, shown: dict[int, str]) -> np.ndarray:
+        """A prompt's ids as another process placed them (``shown``: its runs'
+        hashes), placed as this one places the same images."""
+        out = tokens.copy()
+        for run, sha in shown.items():
+            at = (tokens >= IMAGE_BASE) & ((tokens - IMAGE_BASE) // SPAN == run)
+            out[at] += (self.run_of(sha) - run) * SPAN
+        return out
 
     def place(self, image: Picture, tokens: int) -> Picture:
         with self._lock:
-            run = self._runs.setdefault(image.sha, len(self._runs))
-            if run >= ((1 << 31) - IMAGE_BASE) // SPAN:
-                raise InvalidRequest("this server has placed every image it can: restart it")
+            run = self.run_of(image.sha)
             placed = attrs.evolve(image, first=IMAGE_BASE + run * SPAN, tokens=tokens)
             old = self._held.pop(run, None)
             self._bytes += len(image.data) - (len(old.data) if old else 0)
