@@ -23,7 +23,7 @@ import attrs
 import mlx.core as mx
 
 from ..kernels import cpu_attention, ragged
-from ..models.vision import IMAGE_BASE
+from ..models.vision import shows_images
 from ..step.batch import Batch, greedy, ties
 from ..step.calls import calls_begun
 from ..step.slots import Read, Sampled, SeededSampler, Slot
@@ -120,7 +120,7 @@ class Verifier:
             asked = slot.params.max_draft
             limit = spec.max_draft if asked is None else min(asked, spec.max_draft)
             if limit > 0 and not slot.processors and slot.first is not None:
-                if spec.draft is None or max(slot.prompt) >= IMAGE_BASE:  # images: text drafts
+                if spec.draft is None or shows_images(slot.prompt):  # images: n-gram drafts
                     drafter = Drafter.start(slot.prompt, spec.shared, spec.matches, limit)
                 else:
                     drafter = ModelDrafter.start(
